@@ -1,0 +1,54 @@
+"""Shared test fixtures: tiny offline models and a torchrun launcher for 2-process tests."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from tiny_models import build_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Path of a 2-layer Llama (hidden 128) with its char tokenizer, untied embeddings."""
+    return build_tiny(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_model(tmp_path_factory):
+    """Same shape as tiny_model, with lm_head tied to the input embedding."""
+    return build_tiny(str(tmp_path_factory.mktemp("tiny_tied") / "model"), tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(tmp_path_factory):
+    """A 1-label LlamaForSequenceClassification with the same tokenizer."""
+    return build_tiny(str(tmp_path_factory.mktemp("tiny_rm") / "model"), reward_model=True)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script, *args, nproc=2, timeout=600, env=None):
+    """Run `script` under `torchrun --nproc_per_node nproc` on CPU; fail the test with its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", script, *map(str, args)]
+    full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
+                    f"\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
