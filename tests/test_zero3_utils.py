@@ -1,0 +1,68 @@
+"""zero3_utils on one process: load_ds_config arithmetic and errors, parameter grouping, no-op
+paths off ZeRO-3. The multi-process parts (gather, hooks, streaming, save_hf, frozen_engine) run
+under torchrun in tests/test_generation.py::test_zero3_generation."""
+
+import json
+
+import pytest
+import torch
+
+from zero3_utils import _groups, gathered, is_sharded, is_zero3, iter_full_params, load_ds_config
+
+
+def write(tmp_path, cfg):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_load_ds_config_fills_auto_and_derives_batch(tmp_path):
+    path = write(tmp_path, {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                            "bf16": {"enabled": "auto"},
+                            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                  "stage3_param_persistence_threshold": "auto"}})
+    cfg = load_ds_config(path, world_size=4, hidden_size=128, train_micro_batch_size_per_gpu=2,
+                         gradient_accumulation_steps=3, gradient_clipping=1.0, **{"bf16.enabled": True})
+    assert cfg["train_batch_size"] == 24
+    assert cfg["gradient_clipping"] == 1.0 and cfg["bf16"]["enabled"] is True
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 128 * 128
+    assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 1280
+
+
+def test_load_ds_config_derives_missing_member():
+    cfg = load_ds_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, world_size=2)
+    assert cfg["gradient_accumulation_steps"] == 4
+
+
+@pytest.mark.parametrize("cfg, kwargs, words", [
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+     {"world_size": 2}, ["train_batch_size=10", "= 8"]),
+    ({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2}, {"world_size": 2}, ["train_batch_size=7"]),
+    ({"train_micro_batch_size_per_gpu": 4}, {"train_micro_batch_size_per_gpu": 2}, ["train_micro_batch_size_per_gpu=4", "2"]),
+    ({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": "auto"}, {}, ["gradient_clipping", "auto"]),
+])
+def test_load_ds_config_rejects_contradictions(cfg, kwargs, words):
+    with pytest.raises(ValueError) as e:
+        load_ds_config(cfg, **kwargs)
+    for w in words:
+        assert w in str(e.value), f"{w!r} missing from: {e.value}"
+
+
+def test_groups_are_bounded_and_ordered():
+    params = [(f"p{i}", torch.empty(n)) for i, n in enumerate([5, 5, 3, 20, 1, 1, 9])]
+    groups = list(_groups(params, max_numel=10))
+    assert [[n for n, _ in g] for g in groups] == [["p0", "p1"], ["p2"], ["p3"], ["p4", "p5"], ["p6"]]
+    for g in groups:  # a group exceeds the bound only when it is one parameter larger than it
+        assert sum(p.numel() for _, p in g) <= 10 or len(g) == 1
+
+
+def test_off_zero3_helpers_are_no_ops(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert not is_zero3(model) and not is_sharded(model)
+    with gathered(model):
+        pass
+    names = [n for n, _ in iter_full_params(model)]
+    assert names == [n for n, _ in model.named_parameters()]

@@ -1,0 +1,291 @@
+"""DeepSpeed ZeRO-3 plumbing: gather, fetch hooks, streaming full weights, consolidated saves,
+frozen-model engines and DeepSpeed JSON configs. Imports no sibling file; copy it on its own.
+
+Under ZeRO-3 every rank holds 1/world of each parameter; a module's forward pre-hook gathers
+its parameters and the post-hook frees them again. Everything below either works with that
+(streaming, one bounded group at a time) or switches it off for a while (gathered generation).
+
+Public API
+    is_zero3(model_or_engine) -> bool                  parameters partitioned by ZeRO-3?
+    is_sharded(model_or_engine) -> bool                ... and some are not gathered right now?
+    gathered(params_or_module, enabled=True)           GatheredParameters; no-op off ZeRO-3
+    remove_hooks(engine) / restore_hooks(engine)       ZeRO-3 per-module fetch hooks off / on
+    without_hooks(engine)                              context manager: hooks off, restored on any exit
+    iter_full_params(model, max_numel=2**26)           yields (name, full tensor), gathering at most
+                                                       max_numel elements (or one parameter) at a time
+    save_hf(engine_or_model, tokenizer, path)          consolidated HF checkpoint, written by rank 0
+    frozen_engine(model, ds_config, offload=False)     reference/reward model as a ZeRO-3 inference engine
+    load_ds_config(path_or_dict, world_size=None, hidden_size=None, **overrides) -> dict
+
+Every call into DeepSpeed internals sits in one function whose name starts with `_ds_` and
+whose comment names the version it was written for (deepspeed 0.19.8). iter_full_params and
+gathered are collectives: every rank must call them, in the same order.
+"""
+
+import copy
+import json
+import os
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+
+import deepspeed
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+
+def _module(model_or_engine):
+    """The nn.Module inside a DeepSpeedEngine (or the module itself)."""
+    return model_or_engine.module if isinstance(model_or_engine, deepspeed.DeepSpeedEngine) else model_or_engine
+
+
+def is_zero3(model_or_engine):
+    """True if the parameters were partitioned by ZeRO-3 (they carry a `ds_id`)."""
+    return any(hasattr(p, "ds_id") for p in _module(model_or_engine).parameters())
+
+
+def is_sharded(model_or_engine):
+    """True under ZeRO-3 while at least one parameter is not gathered (forward needs all ranks)."""
+    return any(getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
+               for p in _module(model_or_engine).parameters())
+
+
+def gathered(params_or_module, enabled=True):
+    """Context manager: full parameters on every rank inside, partitioned again on exit.
+
+    A no-op (nullcontext) when disabled or when no parameter is a ZeRO-3 parameter, so the
+    same code runs under DDP, ZeRO-2 or on one process. Read-only: changes are not scattered back.
+    """
+    params = list(params_or_module.parameters()) if isinstance(params_or_module, torch.nn.Module) \
+        else list(params_or_module)
+    if not enabled or not any(hasattr(p, "ds_id") for p in params):
+        return nullcontext()
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+# ---------------------------------------------------------------- ZeRO-3 fetch hooks
+def _ds_parameter_offload(engine):
+    # deepspeed 0.19.8: the object holding the hooks is DeepSpeedZeRoOffload. A training engine
+    # keeps it at engine.optimizer.parameter_offload (DeepSpeedZeroOptimizer_Stage3); an engine
+    # built without an optimizer (frozen_engine) has it as engine.optimizer itself.
+    opt = getattr(engine, "optimizer", None)
+    offload = getattr(opt, "parameter_offload", opt)
+    if offload is None or not hasattr(offload, "forward_hooks"):
+        raise TypeError("remove_hooks/restore_hooks need the DeepSpeedEngine returned by deepspeed.initialize "
+                        f"with ZeRO stage 3, got {type(engine).__name__}")
+    return offload
+
+
+def _ds_remove_hooks(offload):
+    # deepspeed 0.19.8 (DeepSpeedZeRoOffload._remove_module_hooks without dropping the root
+    # start-of-forward hook, which only resets the step counter). Active-submodule bookkeeping
+    # is cleared so a later GatheredParameters exit may release the parameters.
+    for p in offload.module.parameters():
+        p.ds_active_sub_modules.clear()
+    for hook in offload.forward_hooks + offload.backward_hooks:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+
+
+def _ds_register_hooks(offload):
+    # deepspeed 0.19.8: `_register_deepspeed_module` (called `_register_hooks_recursively` before
+    # 0.16.4) walks the module tree and adds the fetch/release hooks. Its `count` default is a
+    # shared mutable list, so pass a fresh one to give modules the same ds_id as at init.
+    offload._register_deepspeed_module(offload.module, count=[0])
+
+
+def remove_hooks(engine):
+    """Remove ZeRO-3's per-module fetch/release hooks (call only with all parameters gathered)."""
+    _ds_remove_hooks(_ds_parameter_offload(engine))
+
+
+def restore_hooks(engine):
+    """Re-register the hooks removed by remove_hooks (no-op if they are present)."""
+    offload = _ds_parameter_offload(engine)
+    if not offload.forward_hooks:
+        _ds_register_hooks(offload)
+
+
+@contextmanager
+def without_hooks(engine):
+    """Hooks off inside, back on when the block exits, by return or by exception."""
+    remove_hooks(engine)
+    try:
+        yield
+    finally:
+        restore_hooks(engine)
+
+
+# ---------------------------------------------------------------- streaming full weights
+def _groups(named, max_numel):
+    """Split [(name, param)] into consecutive groups of <= max_numel elements (a larger param alone)."""
+    group, size = [], 0
+    for name, p in named:
+        n = p.ds_numel if hasattr(p, "ds_id") else p.numel()
+        if group and size + n > max_numel:
+            yield group
+            group, size = [], 0
+        group.append((name, p))
+        size += n
+    if group:
+        yield group
+
+
+@torch.no_grad()
+def iter_full_params(model_or_engine, max_numel=2**26):
+    """Yield (name, full tensor) for every parameter, gathering one bounded group at a time.
+
+    Under ZeRO-3 at most max(max_numel, largest parameter) elements are gathered at once, so the
+    peak extra memory is one group, not the model. Names are the module's `named_parameters()`
+    names (tied weights appear once), which transformers and vLLM loaders accept. A yielded tensor
+    is valid until the next item: `.clone()` it to keep it. A collective under ZeRO-3: call on
+    every rank. Off ZeRO-3 this just walks named_parameters().
+    """
+    named = list(_module(model_or_engine).named_parameters())
+    for group in _groups(named, max_numel):
+        with gathered([p for _, p in group]):
+            for name, p in group:
+                yield name, p.data
+
+
+def save_hf(engine_or_model, tokenizer, path, max_shard_bytes=2 * 2**30):
+    """Write a consolidated Hugging Face checkpoint (safetensors shards + config + tokenizer).
+
+    Every rank must call it (the weights are gathered group by group); only rank 0 writes and
+    holds at most one shard (max_shard_bytes) of CPU copies. Loadable by `from_pretrained` and vLLM.
+    """
+    from safetensors.torch import save_file
+
+    model = _module(engine_or_model)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    shards, shard, shard_bytes = [], {}, 0
+
+    def flush():
+        name = f"model-{len(shards) + 1:05d}.safetensors"
+        save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+        shards.append((name, list(shard)))
+
+    for name, tensor in iter_full_params(model):
+        if rank != 0:
+            continue
+        if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
+            flush()
+            shard, shard_bytes = {}, 0
+        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        shard_bytes += tensor.nbytes
+    if rank == 0:
+        if shard or not shards:
+            flush()
+        if len(shards) == 1:  # one file: the plain name every loader looks for first
+            os.replace(os.path.join(path, shards[0][0]), os.path.join(path, "model.safetensors"))
+        else:
+            weight_map = {k: f for f, keys in shards for k in keys}
+            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+        model.config.save_pretrained(path)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()  # nobody reads the checkpoint before rank 0 has finished it
+
+
+# ---------------------------------------------------------------- engines and configs
+def frozen_engine(model, ds_config, offload=False):
+    """A frozen model (reference, reward) as a ZeRO-3 inference engine, sharded across ranks.
+
+    ds_config: the training config (dict or path); its optimizer/scheduler are dropped and ZeRO
+    stage 3 is forced. offload=True keeps the parameter partitions in CPU memory (fetched to the
+    device layer by layer). Returns the engine in eval mode with requires_grad off.
+    """
+    cfg = copy.deepcopy(load_ds_config(ds_config) if isinstance(ds_config, (str, os.PathLike)) else ds_config)
+    for key in ("optimizer", "scheduler"):
+        cfg.pop(key, None)
+    zero = cfg.setdefault("zero_optimization", {})
+    zero["stage"] = 3
+    zero.pop("offload_optimizer", None)
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    else:
+        zero.pop("offload_param", None)
+    leftover = _auto_paths(cfg)
+    if leftover:
+        raise ValueError(f"frozen_engine: ds_config still has \"auto\" at {leftover}; pass it through load_ds_config first")
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    engine.eval()
+    return engine
+
+
+def _auto_paths(cfg, prefix=""):
+    out = []
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            out += _auto_paths(v, f"{prefix}{k}.")
+        elif v == "auto":
+            out.append(prefix + k)
+    return out
+
+
+def _set(cfg, dotted, value):
+    *parents, key = dotted.split(".")
+    for p in parents:
+        cfg = cfg.setdefault(p, {})
+    old = cfg.get(key, "auto")
+    if old not in ("auto", value):
+        raise ValueError(f"DeepSpeed config sets {dotted}={old!r} but the script asks for {value!r}: "
+                         f"make them agree, or write \"auto\" in the JSON to take the script's value")
+    cfg[key] = value
+
+
+def load_ds_config(path_or_dict, world_size=None, hidden_size=None, **overrides):
+    """Read a DeepSpeed JSON, fill "auto" values, check the batch-size arithmetic.
+
+    overrides: values from the training script, by DeepSpeed key; a dotted key reaches into a
+    section (`**{"bf16.enabled": True}`). An override fills an "auto" or missing value; a
+    different concrete value in the JSON is an error. hidden_size fills the ZeRO bucket sizes
+    left at "auto". train_batch_size must equal train_micro_batch_size_per_gpu x
+    gradient_accumulation_steps x world_size (any one of the three may be left out or "auto").
+    """
+    if isinstance(path_or_dict, dict):
+        cfg = copy.deepcopy(path_or_dict)
+    else:
+        with open(path_or_dict) as f:
+            cfg = json.load(f)
+    for key, value in overrides.items():
+        _set(cfg, key, value)
+    zero = cfg.get("zero_optimization", {})
+    if hidden_size:
+        for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
+                           ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+                           ("stage3_param_persistence_threshold", 10 * hidden_size)):
+            if zero.get(key) == "auto":
+                zero[key] = value
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    names = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+    micro, accum, total = (cfg.get(k) if cfg.get(k) != "auto" else None for k in names)
+    if accum is None and (micro is None or total is None):
+        accum = 1  # DeepSpeed's default when it cannot be derived
+    if total is None:
+        if micro is None or accum is None:
+            raise ValueError(f"DeepSpeed config: set at least two of {names} (or pass them to load_ds_config)")
+        total = micro * accum * world_size
+    elif micro is None:
+        micro = total // (accum * world_size)
+    elif accum is None:
+        accum = total // (micro * world_size)
+    if micro * accum * world_size != total or min(micro, accum) < 1:
+        raise ValueError(
+            f"DeepSpeed config: train_batch_size={total} but train_micro_batch_size_per_gpu={micro} x "
+            f"gradient_accumulation_steps={accum} x world_size={world_size} = {micro * accum * world_size}; "
+            f"set train_batch_size to \"auto\" or change the micro-batch size / accumulation steps")
+    cfg.update(zip(names, (micro, accum, total)))
+    leftover = _auto_paths(cfg)
+    if leftover:
+        raise ValueError(f"DeepSpeed config leaves {leftover} at \"auto\"; pass values for them "
+                         f"(e.g. load_ds_config(path, **{{'{leftover[0]}': ...}})) or write them in the JSON")
+    return cfg
