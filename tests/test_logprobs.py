@@ -1,0 +1,293 @@
+"""logprobs.py against the naive `logits.log_softmax(-1).gather(...)` reference.
+
+fp32: values and gradients within 1e-5. bf16: inputs are rounded to bf16 and the
+reference is computed from the same bf16 tensors in fp32, so the only differences are
+the bf16 matmul / bf16 gradient outputs: values within 2e-2 absolute (the logits
+themselves are bf16), gradients within 2e-2 relative to their max.
+"""
+
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
+
+from conftest import ROOT, torchrun
+from logprobs import _position_ids, fused_logps, model_logps, per_token_logps, selective_log_softmax
+
+
+def naive_from_logits(logits, index):
+    """(…, V), (…) -> (…) log-probs and entropies, the obvious way."""
+    lp = logits.float().log_softmax(-1)
+    return lp.gather(-1, index[..., None]).squeeze(-1), -(lp.exp() * lp).sum(-1)
+
+
+def naive_from_model(model, ids, mask, K, temperature=1.0):
+    """Full (B, T, V) logits, same position ids as generation."""
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(mask), use_cache=False).logits
+    return naive_from_logits(logits[:, -K - 1 : -1] / temperature, ids[:, -K:])
+
+
+def grads(out, inputs, seed=0):
+    """Gradients of a random linear functional of `out`, so every output position matters."""
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return torch.autograd.grad((out * g).sum(), inputs, allow_unused=True, retain_graph=True)
+
+
+def close(a, b, tol):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a.float() - b.float()).abs().max().item()
+    assert err <= tol, f"max abs error {err} > {tol}"
+
+
+# ---------------------------------------------------------------- selective_log_softmax
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 7])
+def test_selective_log_softmax_fp32(chunk_size):
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(4, 9, 50)).requires_grad_()
+    index = torch.randint(0, 50, (4, 9))
+    out = selective_log_softmax(logits, index, chunk_size=chunk_size)
+    ref, _ = naive_from_logits(logits, index)
+    assert out.dtype == torch.float32 and out.shape == (4, 9)
+    close(out, ref, 1e-5)
+    close(grads(out, logits)[0], grads(ref, logits)[0], 1e-5)
+
+
+def test_selective_log_softmax_bf16_and_leaves_input_alone():
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(6, 11, 300)).bfloat16().requires_grad_()
+    before = logits.detach().clone()
+    index = torch.randint(0, 300, (6, 11))
+    out = selective_log_softmax(logits, index, chunk_size=5)
+    ref, _ = naive_from_logits(logits, index)  # same bf16 values, fp32 math
+    assert out.dtype == torch.float32
+    close(out, ref, 1e-5)
+    ga, gr = grads(out, logits)[0], grads(ref.float(), logits)[0]
+    assert ga.dtype == torch.bfloat16
+    close(ga, gr, 2e-2 * gr.abs().max().item())
+    assert torch.equal(logits.detach(), before)
+
+
+def test_selective_log_softmax_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="must agree"):
+        selective_log_softmax(torch.randn(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- fused_logps
+
+
+def make_head(N=37, H=24, V=53, dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) / H**0.5).to(dtype).requires_grad_()
+    b = torch.randn(V, generator=g).to(dtype).requires_grad_() if bias else None
+    targets = torch.randint(0, V, (N,), generator=g)
+    return hidden, weight, b, targets
+
+
+def naive_head(hidden, weight, bias, targets, temperature):
+    logits = hidden.float() @ weight.float().t()
+    if bias is not None:
+        logits = logits + bias.float()
+    return naive_from_logits(logits / temperature, targets)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [None, 5, 37, 64])  # 5 does not divide N = 37
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_logps_fp32_values_and_grads(temperature, chunk_size, bias):
+    hidden, weight, b, targets = make_head(bias=bias)
+    inputs = [t for t in (hidden, weight, b) if t is not None]
+    logp = fused_logps(hidden, weight, targets, bias=b, temperature=temperature, chunk_size=chunk_size)
+    ref, _ = naive_head(hidden, weight, b, targets, temperature)
+    close(logp, ref, 1e-5)
+    for a, r in zip(grads(logp, inputs), grads(ref, inputs)):
+        close(a, r, 1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+def test_fused_logps_entropy_values_and_grads(temperature):
+    hidden, weight, b, targets = make_head(N=29)
+    inputs = [hidden, weight, b]
+    logp, ent = fused_logps(hidden, weight, targets, bias=b, temperature=temperature, chunk_size=4,
+                            return_entropy=True)
+    ref_lp, ref_ent = naive_head(hidden, weight, b, targets, temperature)
+    close(logp, ref_lp, 1e-5)
+    close(ent, ref_ent, 1e-5)
+    # entropy alone, and entropy + log-prob together
+    for a, r in zip(grads(ent, inputs, seed=1), grads(ref_ent, inputs, seed=1)):
+        close(a, r, 1e-5)
+    g = torch.randn(29, generator=torch.Generator().manual_seed(2))
+    fa = torch.autograd.grad((logp * g).sum() - 0.3 * ent.sum(), inputs)
+    fr = torch.autograd.grad((ref_lp * g).sum() - 0.3 * ref_ent.sum(), inputs)
+    for a, r in zip(fa, fr):
+        close(a, r, 1e-5)
+
+
+def test_fused_logps_gradcheck_fp64():
+    hidden, weight, b, targets = make_head(N=6, H=5, V=7, dtype=torch.float64)
+    fn = lambda h, w, bb: torch.cat(fused_logps(h, w, targets, bb, 0.9, chunk_size=4, return_entropy=True))  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (hidden, weight, b))
+
+
+def test_fused_logps_bf16():
+    hidden, weight, b, targets = make_head(N=40, H=32, V=300, dtype=torch.bfloat16)
+    inputs = [hidden, weight, b]
+    logp = fused_logps(hidden, weight, targets, bias=b, temperature=0.8, chunk_size=16)
+    ref, _ = naive_head(hidden, weight, b, targets, 0.8)
+    assert logp.dtype == torch.float32
+    close(logp, ref, 2e-2)
+    for a, r in zip(grads(logp, inputs), grads(ref, inputs)):
+        assert a.dtype == torch.bfloat16
+        close(a, r, 2e-2 * r.abs().max().item())
+
+
+def test_fused_logps_frozen_weight_and_no_grad():
+    hidden, weight, _, targets = make_head(bias=False)
+    weight.requires_grad_(False)
+    logp = fused_logps(hidden, weight, targets, chunk_size=8)
+    (gh,) = torch.autograd.grad(logp.sum(), [hidden])
+    ref, _ = naive_head(hidden, weight, None, targets, 1.0)
+    close(gh, torch.autograd.grad(ref.sum(), [hidden])[0], 1e-5)
+    with torch.no_grad():
+        close(fused_logps(hidden, weight, targets, chunk_size=8), ref, 1e-5)
+
+
+def test_fused_logps_accepts_batched_shape():
+    hidden, weight, _, targets = make_head(N=12, bias=False)
+    out = fused_logps(hidden.view(3, 4, -1), weight, targets.view(3, 4))
+    close(out, fused_logps(hidden, weight, targets).view(3, 4), 1e-6)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any torch op produces (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_fused_logps_never_builds_n_by_v(return_entropy):
+    N, H, V, C = 64, 8, 1000, 8
+    hidden, weight, _, targets = make_head(N=N, H=H, V=V, bias=False)
+    with LargestTensor() as mode:
+        out = fused_logps(hidden, weight, targets, chunk_size=C, return_entropy=return_entropy)
+        loss = out[0].sum() + out[1].sum() if return_entropy else out.sum()
+        loss.backward()
+    # the weight gradient (V, H) is the only tensor allowed to exceed one (C, V) tile
+    assert mode.largest <= max(C * V, V * H), mode.largest
+    with LargestTensor() as naive:
+        naive_head(hidden, weight, None, targets, 1.0)[0].sum().backward()
+    assert naive.largest >= N * V  # the check can see an (N, V) tensor when there is one
+
+
+def test_fused_logps_rejects_bad_input():
+    hidden, weight, _, targets = make_head(bias=False)
+    with pytest.raises(ValueError, match="must match"):
+        fused_logps(hidden, weight, targets[:-1])
+    with pytest.raises(ValueError, match="ZeRO-3"):
+        fused_logps(hidden, torch.empty(0), targets)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_logps(hidden, weight, targets, temperature=0)
+
+
+# ---------------------------------------------------------------- model-level functions
+
+
+def batch(vocab, B=4, T=16, seed=0):
+    """Left-padded prompts and right-padded completions, like a GRPO batch."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (B, T), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    mask[1, :1] = 0
+    mask[2, -3:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def model(request, tiny_model, tiny_tied_model):
+    m = AutoModelForCausalLM.from_pretrained(tiny_model if request.param == "untied" else tiny_tied_model,
+                                             dtype=torch.float32)
+    assert m.config.tie_word_embeddings == (request.param == "tied")
+    return m
+
+
+@pytest.mark.parametrize("K", [1, 9, 15])  # 15 = T - 1, every token that has a predecessor
+@pytest.mark.parametrize("batch_size", [None, 1, 3])
+def test_per_token_logps_matches_naive(model, K, batch_size):
+    ids, mask = batch(model.config.vocab_size)
+    out = per_token_logps(model, ids, mask, K, batch_size=batch_size, temperature=0.7)
+    ref, _ = naive_from_model(model, ids, mask, K, temperature=0.7)
+    assert out.shape == (4, K)
+    close(out, ref, 1e-5)
+    params = [p for p in model.parameters()]
+    for a, r in zip(grads(out, params), grads(ref, params)):
+        close(a, r, 1e-5)
+
+
+@pytest.mark.parametrize("K", [1, 9, 15])
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_model_logps_matches_naive(model, K, gradient_checkpointing):
+    ids, mask = batch(model.config.vocab_size)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    try:
+        logp, ent = model_logps(model, ids, mask, K, temperature=1.2, chunk_size=5, return_entropy=True)
+        ref_lp, ref_ent = naive_from_model(model, ids, mask, K, temperature=1.2)
+        close(logp, ref_lp, 1e-5)
+        close(ent, ref_ent, 1e-5)
+        params = list(model.parameters())
+        fa = torch.autograd.grad((logp * mask[:, -K:]).sum() + 0.1 * ent.sum(), params)
+        fr = torch.autograd.grad((ref_lp * mask[:, -K:]).sum() + 0.1 * ref_ent.sum(), params)
+        for (name, _), a, r in zip(model.named_parameters(), fa, fr):
+            close(a, r, 1e-5)
+        assert "forward" not in model.lm_head.__dict__  # lm_head restored
+        # the lm_head is back to producing logits
+        full = model(input_ids=ids, attention_mask=mask).logits
+        assert full.shape == (*ids.shape, model.config.vocab_size)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+
+
+def test_model_logps_restores_lm_head_on_error(model):
+    ids, mask = batch(model.config.vocab_size)
+    bad = ids.clone()
+    bad[0, -1] = model.config.vocab_size + 5  # out of range target
+    with pytest.raises((RuntimeError, IndexError)):
+        model_logps(model, bad, mask, 4)
+    assert "forward" not in model.lm_head.__dict__
+
+
+def test_logits_to_keep_validated(model):
+    ids, mask = batch(model.config.vocab_size)
+    for fn in (model_logps, per_token_logps):
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            fn(model, ids, mask, ids.shape[1])
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            fn(model, ids, mask, 0)
+
+
+# ---------------------------------------------------------------- DeepSpeed, 2 processes
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_step_matches_naive(stage, tiny_model, tiny_tied_model):
+    extra = ["--gradient_checkpointing"] if stage == 3 else []
+    proc = torchrun(os.path.join(ROOT, "tests", "dist_logprobs.py"), "--stage", stage,
+                    "--model", tiny_model, "--model", tiny_tied_model, *extra)
+    assert "OK" in proc.stdout, proc.stdout[-3000:]
