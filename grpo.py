@@ -1,0 +1,668 @@
+"""GRPO: group-relative policy optimisation, one standalone loop on torchrun + DeepSpeed.
+
+Launch (see run.sh, which wires this through torchrun and a DeepSpeed JSON):
+
+    bash run.sh                                   # default task: tiny model, 2 CPU procs, ZeRO-3
+    bash run.sh grpo --max_steps 2                # extra args go to Args below
+    MODEL=Qwen/Qwen2.5-0.5B-Instruct DATA=train.jsonl bash run.sh
+    python -m torch.distributed.run --nproc_per_node 2 grpo.py --ds_config configs/zero3.json ...
+
+One step: each rank takes `prompts_per_rank` prompts, generates `num_generations`
+completions for each (a whole group always lives on one rank: DESIGN.md problem 4),
+scores them with the reward functions, turns rewards into group-relative advantages,
+computes old/reference log-probs without gradients, then updates the policy over
+micro-batches with gradient accumulation and one optimizer step (per iteration).
+
+Letters in shape comments: B sequences in a (micro-)batch, P prompt tokens, C completion
+tokens (max_completion_length), T = P + C, G num_generations, N prompts, V vocabulary.
+
+Departures from the paper (DeepSeekMath, Shao et al. 2024) and why:
+- loss_type: "grpo" is the paper's per-sequence token mean; "bnpo" (default) and "dr_grpo"
+  (Liu et al. 2025) normalise token sums by batch-wide counts, which removes the length bias.
+- The KL term uses the k3 estimator exp(ref - logp) - (ref - logp) - 1 on sampled tokens,
+  and beta defaults to 0 (no reference model is built then), as most recent recipes do.
+- Asymmetric clipping [1 - epsilon_low, 1 + epsilon_high] (DAPO, Yu et al. 2025).
+- Optional truncated importance sampling against the generator's own log-probs when vLLM
+  generates (vLLM's and the trainer's numerics differ), capped at vllm_importance_cap.
+- Every micro-batch loss is divided by the WHOLE batch's normaliser (all micro-batches,
+  all ranks) and DeepSpeed's own averaging is undone, so accumulation never changes the update.
+"""
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
+
+
+# ----------------------------------------------------------------------------------------------
+# The algorithm: advantages and loss (pure functions, unit-tested against naive loops)
+# ----------------------------------------------------------------------------------------------
+def group_advantages(rewards, num_generations, scale=True, eps=1e-4):
+    """(r - group mean) / (group std + eps) for consecutive groups of `num_generations`.
+
+    rewards: (N * G,) with each prompt's G completions adjacent. scale=False returns r - mean
+    (Dr. GRPO: dividing by the std up-weights groups that are all-but-solved or all-but-failed).
+    """
+    if rewards.dim() != 1 or rewards.numel() % num_generations:
+        raise ValueError(f"rewards must be 1-D with a multiple of num_generations={num_generations} entries, "
+                         f"got shape {tuple(rewards.shape)}")
+    r = rewards.view(-1, num_generations)  # (N, G)
+    adv = r - r.mean(dim=1, keepdim=True)  # (N, G)
+    if scale:
+        # unbiased std as in the paper's reference code; G == 1 has no spread, advantage 0
+        std = r.std(dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(r)  # (N, 1)
+        adv = adv / (std + eps)  # (N, G)
+    return adv.view(-1)  # (N * G,)
+
+
+def loss_normalizer(mask, loss_type, max_completion_length):
+    """This micro-batch's share of the loss denominator; sum it over the whole batch and all ranks.
+
+    grpo: number of sequences; bnpo: number of completion tokens; dr_grpo: sequences x
+    max_completion_length (a constant per sequence, so long and short answers weigh the same).
+    """
+    if loss_type == "grpo":
+        return float(mask.shape[0])
+    if loss_type == "bnpo":
+        return float(mask.sum())
+    if loss_type == "dr_grpo":
+        return float(mask.shape[0] * max_completion_length)
+    raise ValueError(f"loss_type={loss_type!r}: choose one of {LOSS_TYPES}")
+
+
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, epsilon_low, epsilon_high, loss_type,
+              normalizer, is_weights=None):
+    """Clipped surrogate + k3 KL for one micro-batch; returns (loss, metrics).
+
+    logps: (B, C) policy log-probs of the sampled tokens (with grad). old_logps: (B, C) from the
+    policy that generated (None when num_iterations == 1: then old == logps.detach(), ratio 1).
+    ref_logps: (B, C) or None when beta == 0. advantages: (B,). mask: (B, C), 1 on completion
+    tokens up to and including EOS. normalizer: the WHOLE batch's `loss_normalizer` sum, so that
+    the losses of all micro-batches on all ranks add up to the full-batch loss.
+    is_weights: optional (B, C) truncated importance weights (generator vs trainer), no grad.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: choose one of {LOSS_TYPES}")
+    mask = mask.to(logps.dtype)  # (B, C)
+    old = logps.detach() if old_logps is None else old_logps  # (B, C)
+    ratio = torch.exp(logps - old)  # (B, C)
+    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)  # (B, C)
+    adv = advantages[:, None]  # (B, 1)
+    per_token = -torch.min(ratio * adv, clipped * adv)  # (B, C)
+    if is_weights is not None:
+        per_token = per_token * is_weights  # (B, C)
+    if beta > 0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs ref_logps")
+        d = ref_logps - logps  # (B, C)
+        kl = torch.exp(d) - d - 1  # (B, C) k3 estimator, >= 0
+        per_token = per_token + beta * kl  # (B, C)
+    if loss_type == "grpo":
+        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
+        loss = per_seq.sum() / normalizer
+    else:
+        loss = (per_token * mask).sum() / normalizer
+
+    with torch.no_grad():  # token-level sums, so callers can add them up across micro-batches
+        is_low = (ratio < 1 - epsilon_low) & (adv < 0)  # (B, C) clipped from below
+        is_high = (ratio > 1 + epsilon_high) & (adv > 0)  # (B, C) clipped from above
+        metrics = {"tokens": mask.sum(), "clip_low": (is_low * mask).sum(), "clip_high": (is_high * mask).sum(),
+                   "ratio": (ratio.detach() * mask).sum()}
+        if beta > 0:
+            metrics["kl"] = (kl.detach() * mask).sum()
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# The default task: "largest digit" — verifiable, tiny vocabulary, learnable from scratch on CPU
+# ----------------------------------------------------------------------------------------------
+TASK_CHARS = "0123456789="  # the tiny model's whole vocabulary (+ pad, bos, eos, unk): 15 tokens
+
+
+def default_task(num_eval, seed=0, digits=3):
+    """Prompts like "835=" whose answer is the largest digit ("8"); all 10**digits strings,
+    `num_eval` of them held out. A random model emits a digit 2/3 of the time (format reward)."""
+    prompts = ["".join(p) for p in _digit_strings(digits)]
+    random.Random(seed).shuffle(prompts)
+    rows = [{"prompt": p + "=", "answer": max(p)} for p in prompts]
+    return rows[num_eval:], rows[:num_eval]
+
+
+def _digit_strings(n):
+    return [""] if n == 0 else [s + d for s in _digit_strings(n - 1) for d in "0123456789"]
+
+
+def format_reward(prompts, completions, answers):
+    """1 for exactly one digit (then EOS), 0.5 for a digit followed by more, else 0."""
+    return [1.0 if len(c) == 1 and c.isdigit() else 0.5 if c[:1].isdigit() else 0.0 for c in completions]
+
+
+def correct_reward(prompts, completions, answers):
+    """1 when the completion starts with the right answer."""
+    return [1.0 if c.strip().startswith(a) and a else 0.0 for c, a in zip(completions, answers)]
+
+
+def exact_match_reward(prompts, completions, answers):
+    """For JSONL data: 1 when the completion's last non-empty line equals the answer."""
+    lines = [[ln.strip() for ln in c.strip().splitlines() if ln.strip()] for c in completions]
+    return [1.0 if ln and ln[-1] == str(a).strip() else 0.0 for ln, a in zip(lines, answers)]
+
+
+def load_reward_funcs(spec):
+    """'module:function,module:function' (or a bare name defined in this file) -> callables."""
+    import importlib
+    funcs = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        module, _, name = item.rpartition(":")
+        try:
+            funcs.append(getattr(importlib.import_module(module) if module else sys.modules[__name__], name))
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--reward_funcs {item!r}: cannot import ({e}); write module:function, "
+                             f"with the module on PYTHONPATH") from e
+    return funcs
+
+
+def load_jsonl(path, num_eval, seed):
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    bad = [i for i, r in enumerate(rows) if "prompt" not in r]
+    if bad:
+        raise ValueError(f"{path}: lines {bad[:5]} have no \"prompt\" key; each line is {{\"prompt\": ..., \"answer\": ...}}")
+    random.Random(seed).shuffle(rows)
+    if len(rows) <= num_eval:
+        raise ValueError(f"{path} has {len(rows)} rows, not more than num_eval_prompts={num_eval}; lower it")
+    return rows[num_eval:], rows[:num_eval]
+
+
+def batch_rows(rows, step, n, seed):
+    """The n prompts of global step `step`: a fixed seeded order per epoch, so resume sees the same data."""
+    out, start = [], step * n
+    while len(out) < n:
+        epoch, offset = divmod(start + len(out), len(rows))
+        order = list(range(len(rows)))
+        random.Random(seed * 1000003 + epoch).shuffle(order)
+        out += [rows[i] for i in order[offset:offset + n - len(out)]]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Args:
+    model: str = field(default="", metadata={"help": "hub id or path of the policy; empty: a tiny model built "
+                                                     "from scratch in <run_dir>/model for the default task"})
+    data: str = field(default="", metadata={"help": "JSONL, one {\"prompt\": ..., \"answer\": ...} per line; "
+                                                    "empty: the built-in largest-digit task"})
+    reward_funcs: str = field(default="", metadata={"help": "comma-separated module:function rewards "
+                                                            "(prompts, completions, answers) -> list[float]; empty: "
+                                                            "format_reward,correct_reward (default task) or exact_match_reward"})
+    reward_weights: str = field(default="", metadata={"help": "comma-separated weight per reward function; "
+                                                              "empty: 0.25,0.75 for the default task, else all 1"})
+    run_dir: str = field(default="runs/grpo", metadata={"help": "metrics.jsonl, args, checkpoints, final model"})
+    ds_config: str = field(default="configs/zero3.json", metadata={"help": "DeepSpeed JSON; \"auto\" filled from these args"})
+    seed: int = field(default=0, metadata={"help": "data order, sampling and (default task) model init"})
+    # rollout
+    prompts_per_rank: int = field(default=16, metadata={"help": "prompts per rank per step (each gets num_generations)"})
+    num_generations: int = field(default=8, metadata={"help": "G: completions per prompt, one group"})
+    max_prompt_length: int = field(default=512, metadata={"help": "prompt tokens kept (from the left end)"})
+    max_completion_length: int = field(default=2, metadata={"help": "C: new tokens per completion"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (log-probs use it too)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
+    use_vllm: bool = field(default=False, metadata={"help": "generate with a colocated vLLM engine per rank"})
+    gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3: gather the model to generate "
+                                                                        "(fast); False: sharded, layer by layer (fits)"})
+    generation_batch_size: int = field(default=256, metadata={"help": "HF generate: sequences per call"})
+    vllm_batch_size: int = field(default=0, metadata={"help": "vLLM: prompts per call, 0 = all at once"})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM's share of GPU memory"})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "ranks sharing one vLLM engine"})
+    vllm_importance_cap: float = field(default=0.0, metadata={"help": "> 0: truncated importance weights "
+                                                                      "min(exp(trainer - vLLM logp), cap); 0: off"})
+    # loss and update
+    loss_type: str = field(default="bnpo", metadata={"help": f"one of {LOSS_TYPES}"})
+    beta: float = field(default=0.0, metadata={"help": "KL weight; 0 builds no reference model"})
+    epsilon_low: float = field(default=0.2, metadata={"help": "ratio clipped below at 1 - epsilon_low"})
+    epsilon_high: float = field(default=0.2, metadata={"help": "ratio clipped above at 1 + epsilon_high"})
+    scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group std"})
+    num_iterations: int = field(default=1, metadata={"help": "optimizer steps per generated batch"})
+    learning_rate: float = field(default=2e-3, metadata={"help": "peak LR (the tiny default model trains from "
+                                                                 "scratch; use ~1e-6 for a pretrained model)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear LR warmup steps"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
+    per_device_train_batch_size: int = field(default=32, metadata={"help": "completions per micro-batch"})
+    max_tokens_per_microbatch: int = field(default=0, metadata={"help": "> 0: micro-batches by padded-token budget "
+                                                                        "(length-sorted) instead of a fixed count"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    ref_offload: bool = field(default=False, metadata={"help": "keep the reference model's shards in CPU memory"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"})
+    max_steps: int = field(default=120, metadata={"help": "training steps (one generated batch each)"})
+    # evaluation, logging, saving
+    eval_steps: int = field(default=40, metadata={"help": "held-out reward every this many steps (and at start/end)"})
+    num_eval_prompts: int = field(default=200, metadata={"help": "held-out prompts, one sample each; 0: no eval"})
+    save_steps: int = field(default=0, metadata={"help": "DeepSpeed checkpoint every this many steps; 0: none"})
+    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir"})
+    save_model: bool = field(default=True, metadata={"help": "write the final HF model to <run_dir>/final"})
+    report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
+
+
+def parse_args(argv=None):
+    from transformers import HfArgumentParser
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(argv)
+    if args.loss_type not in LOSS_TYPES:
+        raise SystemExit(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
+    if args.num_generations < 2:
+        raise SystemExit("--num_generations must be >= 2: advantages compare completions within a group")
+    if args.use_vllm and args.gather_for_generation is False:
+        raise SystemExit("--gather_for_generation False applies to HF generation; drop it with --use_vllm")
+    if args.vllm_importance_cap and not args.use_vllm:
+        raise SystemExit("--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)")
+    if args.report_to not in ("none", "wandb"):
+        raise SystemExit("--report_to: none or wandb")
+    args.funcs = load_reward_funcs(args.reward_funcs or ("format_reward,correct_reward" if not args.data
+                                                         else "exact_match_reward"))
+    weights = args.reward_weights or ("0.25,0.75" if not (args.data or args.reward_funcs) else "")
+    args.weights = [float(w) for w in weights.split(",")] if weights else [1.0] * len(args.funcs)
+    if len(args.weights) != len(args.funcs):
+        raise SystemExit(f"--reward_weights has {len(args.weights)} values for {len(args.funcs)} reward functions")
+    args.batch_size = args.prompts_per_rank * args.num_generations  # completions per rank per step
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout pieces: tokenise, generate, score
+# ----------------------------------------------------------------------------------------------
+def encode_prompts(tokenizer, rows, max_prompt_length):
+    """Token-id lists (no padding); the chat template is applied when the tokenizer has one."""
+    if tokenizer.chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                               add_generation_prompt=True) for r in rows]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer([r["prompt"] for r in rows])["input_ids"]
+    return [i[-max_prompt_length:] for i in ids]
+
+
+def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations, greedy=False):
+    """Generations for whole groups on this rank: G completions of each prompt, prompt-major."""
+    from generation import generate_hf, unwrap_for_generation
+    kw = dict(num_generations=num_generations, max_new_tokens=args.max_completion_length,
+              temperature=args.temperature, top_p=args.top_p, greedy=greedy)
+    if vllm is not None:
+        return vllm.generate(prompt_ids, **kw)
+    with unwrap_for_generation(engine, gather=args.gather_for_generation) as model:
+        return generate_hf(model, prompt_ids, batch_size=args.generation_batch_size,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kw)
+
+
+def score(args, rows, completions, num_generations):
+    """Weighted sum of the reward functions, (B,), and each function's raw rewards, {name: (B,)}."""
+    prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
+    answers = [r.get("answer", "") for r in rows for _ in range(num_generations)]
+    per_func = {}
+    for f in args.funcs:
+        values = f(prompts, completions, answers)
+        if len(values) != len(completions):
+            raise ValueError(f"reward {f.__name__} returned {len(values)} values for {len(completions)} completions")
+        per_func[f.__name__] = torch.tensor([float(v) for v in values])  # (B,)
+    total = sum(w * r for w, r in zip(args.weights, per_func.values()))  # (B,)
+    return total, per_func
+
+
+def make_batch(prompt_ids, gens, pad_id):
+    """Left-padded prompts + right-padded completions: input_ids, attention_mask (B, P + C)."""
+    G = gens.completion_ids.shape[0] // len(prompt_ids)
+    rows = [p for p in prompt_ids for _ in range(G)]
+    P = max(len(p) for p in rows)
+    prompt = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in rows])  # (B, P)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows])  # (B, P)
+    return {"input_ids": torch.cat([prompt, gens.completion_ids], 1),  # (B, T)
+            "attention_mask": torch.cat([prompt_mask, gens.completion_mask], 1),  # (B, T)
+            "completion_mask": gens.completion_mask}  # (B, C)
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-batches, log-probs and the update
+# ----------------------------------------------------------------------------------------------
+def plan_micro_batches(batch, per_device_train_batch_size, max_tokens_per_microbatch):
+    """Index tensors over this rank's B sequences, the same number on every rank (ZeRO-3 forwards
+    and backwards are collectives); a rank short of micro-batches gets None (a zero-weight repeat)."""
+    import torch.distributed as dist
+    B = batch["input_ids"].shape[0]
+    if max_tokens_per_microbatch > 0:
+        lengths = batch["attention_mask"].sum(1)  # (B,)
+        plan, cur, longest = [], [], 0
+        for i in torch.argsort(lengths).tolist():  # similar lengths together: little padding
+            new_longest = max(longest, int(lengths[i]))
+            if cur and (len(cur) + 1) * new_longest > max_tokens_per_microbatch:
+                plan.append(torch.tensor(cur))
+                cur, new_longest = [], int(lengths[i])
+            cur.append(i)
+            longest = new_longest
+        plan.append(torch.tensor(cur))
+    else:
+        plan = list(torch.arange(B).split(per_device_train_batch_size))
+    n = torch.tensor(len(plan))
+    if dist.is_initialized():
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return plan + [None] * (int(n) - len(plan))
+
+
+def micro_slice(batch, idx):
+    """Rows `idx`, with all-padding columns cut: left prompt padding and completion tail."""
+    C = batch["completion_mask"].shape[1]
+    am = batch["attention_mask"][idx]  # (b, T)
+    c = max(int(batch["completion_mask"][idx].sum(1).max()), 1)
+    start = int(am[:, :-C].any(0).float().argmax()) if am.shape[1] > C else 0
+    end = am.shape[1] - C + c
+    out = {"input_ids": batch["input_ids"][idx, start:end], "attention_mask": am[:, start:end],  # (b, t)
+           "completion_mask": batch["completion_mask"][idx, :c], "logits_to_keep": c}  # (b, c)
+    for key in ("advantages", "old_logps", "ref_logps", "is_weights"):
+        value = batch.get(key)
+        out[key] = None if value is None else value[idx] if value.dim() == 1 else value[idx, :c]
+    return out
+
+
+@torch.no_grad()
+def batch_logps(model, batch, plan, temperature, device):
+    """(B, C) log-probs of the sampled tokens, micro-batch by micro-batch (same slices as the update,
+    so the numerics match), never holding (B, T, V). Zero-weight repeats keep ranks in step."""
+    from logprobs import model_logps
+    out = torch.zeros(batch["completion_mask"].shape, dtype=torch.float32)  # (B, C)
+    for idx in plan:
+        mb = micro_slice(batch, plan[0] if idx is None else idx)
+        lp = model_logps(model, mb["input_ids"].to(device), mb["attention_mask"].to(device), mb["logits_to_keep"],
+                         temperature=temperature)  # (b, c)
+        if idx is not None:
+            out[idx, :mb["logits_to_keep"]] = lp.float().cpu()
+    return out
+
+
+def train_on_batch(engine, batch, plan, args, normalizer, device):
+    """Forward/backward every micro-batch, then ONE optimizer step; returns summed metrics.
+
+    `normalizer` is the whole batch's (all micro-batches, all ranks). DeepSpeed divides each loss
+    by gradient_accumulation_steps (scale_wrt_gas) and averages gradients over data-parallel
+    ranks; we turn off the first and multiply by the world size to undo the second, so the step
+    applies exactly the gradient of the full-batch loss, however it is split.
+    """
+    from logprobs import model_logps
+    world = engine.dp_world_size
+    sums = {}
+    for i, idx in enumerate(plan):
+        mb = micro_slice(batch, plan[0] if idx is None else idx)
+        engine.set_gradient_accumulation_boundary(i == len(plan) - 1)  # we decide where the step is
+        # through engine.forward, not engine.module: ZeRO-3 counts micro-steps there, and without
+        # that count every backward overwrites (not accumulates) the gradient partitions
+        logps, entropy = model_logps(engine, mb["input_ids"].to(device), mb["attention_mask"].to(device),
+                                     mb["logits_to_keep"], temperature=args.temperature, return_entropy=True)  # (b, c)
+        to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        loss, metrics = grpo_loss(logps, to(mb["old_logps"]), to(mb["ref_logps"]), to(mb["advantages"]),
+                                  to(mb["completion_mask"]), beta=args.beta, epsilon_low=args.epsilon_low,
+                                  epsilon_high=args.epsilon_high, loss_type=args.loss_type, normalizer=normalizer,
+                                  is_weights=to(mb["is_weights"]))
+        weight = 0.0 if idx is None else 1.0  # a padding micro-batch only keeps the collectives in step
+        engine.backward(loss * weight * world, scale_wrt_gas=False)
+        if idx is not None:
+            metrics["entropy"] = (entropy.detach() * to(mb["completion_mask"])).sum()
+            metrics["loss"] = loss.detach()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    engine.step()
+    return sums
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation, logging helpers
+# ----------------------------------------------------------------------------------------------
+def peak_memory_gb(device):
+    """GPU: peak allocated since the last call (then reset). CPU: the process's RSS high-water mark."""
+    if device.type == "cuda":
+        gb = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+        return gb
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def all_sum(values):
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
+    """Held-out mean reward and accuracy: one sampled completion per prompt, prompts split over ranks."""
+    if not rows:
+        return float("nan"), float("nan")
+    mine = rows[rank::world]
+    torch.manual_seed(args.seed + 12345 + rank)  # the same eval samples at every point of a run
+    gens = generate(engine, vllm, tokenizer, encode_prompts(tokenizer, mine, args.max_prompt_length), args, 1)
+    completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
+    total, per_func = score(args, mine, completions, 1)
+    solved = torch.stack([r >= 1 for r in per_func.values()]).all(0)  # (B,)
+    reward_sum, solved_sum, n = all_sum([total.sum().item(), solved.sum().item(), len(mine)])
+    return reward_sum / n, solved_sum / n
+
+
+def plot_curves(run_dir):
+    """reward and KL per step from metrics.jsonl to curves.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    train = [r for r in rows if "reward" in r]
+    axes[0].plot([r["step"] for r in train], [r["reward"] for r in train], label="train reward")
+    held = [r for r in rows if "eval/reward" in r]
+    axes[0].plot([r["step"] for r in held], [r["eval/reward"] for r in held], "o-", label="held-out reward")
+    axes[1].plot([r["step"] for r in train], [r.get("kl", float("nan")) for r in train], label="KL to reference")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+    import deepspeed
+    import torch.distributed as dist
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zero3_utils import frozen_engine, load_ds_config, save_hf
+
+    # 1. setup --------------------------------------------------------------------------------
+    cuda = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    os.makedirs(args.run_dir, exist_ok=True)
+
+    # 2. data and models ----------------------------------------------------------------------
+    if args.data:
+        train_rows, eval_rows = load_jsonl(args.data, args.num_eval_prompts, args.seed)
+    else:
+        train_rows, eval_rows = default_task(args.num_eval_prompts, args.seed)
+    model_path = args.model
+    if not model_path:  # the default task trains a tiny model from scratch, vocabulary = its characters
+        model_path = os.path.join(args.run_dir, "model")
+        if rank == 0 and not os.path.exists(os.path.join(model_path, "config.json")):
+            from tiny_models import build_tiny
+            build_tiny(model_path, hidden_size=128, num_layers=2, chars=TASK_CHARS, seed=args.seed)
+        dist.barrier()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+
+    micro = min(args.per_device_train_batch_size, args.batch_size)
+    with open(args.ds_config) as f:
+        raw = json.load(f)
+    fill = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": math.ceil(args.batch_size / micro),
+            "gradient_clipping": args.max_grad_norm, "bf16.enabled": dtype == torch.bfloat16,
+            "optimizer.params.lr": args.learning_rate, "optimizer.params.weight_decay": args.weight_decay}
+    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}  # only sections the JSON has
+    ds_config = load_ds_config(raw, world_size=world, hidden_size=model.config.hidden_size, **fill)
+    warmup = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))  # noqa: E731
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=ds_config, lr_scheduler=warmup)
+    ref = None
+    if args.beta > 0:
+        ref = frozen_engine(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype), ds_config,
+                            offload=args.ref_offload)
+    vllm = None
+    if args.use_vllm:
+        from generation import VLLMGenerator
+        vllm = VLLMGenerator(model_path, tensor_parallel_size=args.vllm_tensor_parallel_size,
+                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                             vllm_batch_size=args.vllm_batch_size, seed=args.seed,
+                             max_model_len=args.max_prompt_length + args.max_completion_length,
+                             dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+
+    start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
+    if args.resume:
+        if not os.path.exists(os.path.join(ckpt_dir, "latest")):
+            raise SystemExit(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
+        _, client = engine.load_checkpoint(ckpt_dir)
+        start_step = client["step"]
+        say(f"resumed from {ckpt_dir} at step {start_step}")
+    if rank == 0:  # what ran: the script itself and the resolved arguments
+        with open(__file__) as src, open(os.path.join(args.run_dir, "grpo.py"), "w") as dst:
+            dst.write(src.read())
+        with open(os.path.join(args.run_dir, "args.json"), "w") as f:
+            json.dump({**{k: v for k, v in vars(args).items() if k != "funcs"}, "world_size": world,
+                       "ds_config_resolved": ds_config}, f, indent=1)
+    wandb = None
+    if args.report_to == "wandb" and rank == 0:
+        import wandb
+        os.environ.setdefault("WANDB_MODE", "offline")
+        wandb.init(project="lean-rl", dir=args.run_dir, config={k: v for k, v in vars(args).items() if k != "funcs"})
+    metrics_file = open(os.path.join(args.run_dir, "metrics.jsonl"), "a") if rank == 0 else None
+
+    def record(row):
+        if rank == 0:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            if wandb:
+                wandb.log(row, step=row["step"])
+
+    def held_out(step, when):
+        if vllm is not None:
+            vllm.sync_weights(engine)
+        reward, acc = evaluate(engine, vllm, tokenizer, eval_rows, args, rank, world)
+        say(f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} prompts)")
+        record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
+        return reward
+
+    t_start = time.time()
+    first = held_out(start_step, f"step {start_step}") if args.num_eval_prompts else float("nan")
+    G, N = args.num_generations, args.prompts_per_rank
+    bar = tqdm(range(start_step, args.max_steps), disable=rank != 0, desc="grpo", dynamic_ncols=True)
+    for step in bar:
+        t0, mem = time.time(), {}
+        torch.manual_seed(args.seed * 7919 + step * world + rank)  # sampling replays exactly on resume
+
+        # 3. rollout: whole groups on this rank ----------------------------------------------
+        rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N:(rank + 1) * N]
+        prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length)
+        if vllm is not None:
+            vllm.sync_weights(engine)
+        gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
+        completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
+        rewards, per_func = score(args, rows, completions, G)  # (B,)
+
+        # 4. advantages on whole groups -----------------------------------------------------
+        batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
+        batch["advantages"] = group_advantages(rewards, G, scale=args.scale_rewards)  # (B,)
+        mem["rollout"], t_rollout = peak_memory_gb(device), time.time() - t0
+
+        # 5. old and reference log-probs, no grad, micro-batch by micro-batch ----------------
+        plan = plan_micro_batches(batch, micro, args.max_tokens_per_microbatch)
+        need_old = args.num_iterations > 1 or args.vllm_importance_cap > 0
+        batch["old_logps"] = batch_logps(engine.module, batch, plan, args.temperature, device) if need_old else None
+        batch["ref_logps"] = batch_logps(ref.module, batch, plan, args.temperature, device) if ref else None
+        if args.vllm_importance_cap > 0:  # vLLM sampled these tokens; the trainer scores them a bit differently
+            gap = (batch["old_logps"] - gens.logprobs) * gens.completion_mask  # (B, C)
+            batch["is_weights"] = torch.exp(gap).clamp(max=args.vllm_importance_cap)  # (B, C)
+        mem["logprobs"] = peak_memory_gb(device)
+
+        # 6. update: micro-batches, accumulation, one optimizer step per iteration -----------
+        t1 = time.time()
+        local = sum(loss_normalizer(batch["completion_mask"][i], args.loss_type, args.max_completion_length)
+                    for i in plan if i is not None)
+        (normalizer,) = all_sum([local])
+        for _ in range(args.num_iterations):
+            sums = train_on_batch(engine, batch, plan, args, normalizer, device)
+        mem["update"], t_update = peak_memory_gb(device), time.time() - t1
+
+        # 7. logging and saving --------------------------------------------------------------
+        keys = sorted(sums)
+        totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
+        gathered = [torch.zeros(len(rewards), 2 + len(per_func)) for _ in range(world)]
+        dist.all_gather(gathered, torch.stack([rewards, gens.completion_mask.sum(1).float(), *per_func.values()], 1))
+        allr = torch.cat(gathered)  # (world * B, 2 + F): total reward, completion length, each function
+        dt = time.time() - t0
+        row = {"step": step + 1, "reward": allr[:, 0].mean().item(), "reward_std": allr[:, 0].std().item(),
+               "accuracy": (allr[:, 2:] >= 1).all(1).float().mean().item(), "loss": totals["loss"],
+               "completion_len": allr[:, 1].mean().item(), "completion_len_max": allr[:, 1].max().item(),
+               "entropy": totals["entropy"] / totals["tokens"], "ratio": totals["ratio"] / totals["tokens"],
+               "clip_frac": (totals["clip_low"] + totals["clip_high"]) / totals["tokens"],
+               "clip_low": totals["clip_low"] / totals["tokens"], "clip_high": totals["clip_high"] / totals["tokens"],
+               "lr": engine.get_lr()[0], "tokens_per_s": allr[:, 1].sum().item() / dt, "step_s": dt,
+               "rollout_s": t_rollout, "update_s": t_update, "elapsed_s": time.time() - t_start,
+               **{f"peak_mem_gb/{k}": v for k, v in mem.items()}}
+        if "kl" in totals:
+            row["kl"] = totals["kl"] / totals["tokens"]
+        for j, name in enumerate(per_func):
+            row[f"rewards/{name}/mean"] = allr[:, 2 + j].mean().item()
+            row[f"rewards/{name}/std"] = allr[:, 2 + j].std().item()
+        record(row)
+        bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}")
+        if rank == 0:
+            bar.write(f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} acc {row['accuracy']:.2f} "
+                      f"len {row['completion_len']:.1f} entropy {row['entropy']:.2f} clip {row['clip_frac']:.3f}"
+                      + (f" kl {row['kl']:.4f}" if "kl" in row else "") + f" {dt:.2f}s")
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            engine.save_checkpoint(ckpt_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
+        if args.eval_steps and args.num_eval_prompts and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
+            held_out(step + 1, f"step {step + 1}")
+
+    bar.close()
+    if args.num_eval_prompts:
+        last = held_out(args.max_steps, "end")
+        say(f"held-out reward: start {first:.3f} -> end {last:.3f} in {time.time() - t_start:.0f}s "
+            f"({args.max_steps - start_step} steps)")
+    if args.save_model:
+        save_hf(engine, tokenizer, os.path.join(args.run_dir, "final"))
+    if rank == 0:
+        metrics_file.close()
+        plot_curves(args.run_dir)
+        if wandb:
+            wandb.finish()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # vLLM spawns workers: keep the entry point guarded
+    main()

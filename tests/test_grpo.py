@@ -1,0 +1,137 @@
+"""grpo.py's pure functions against naive per-sequence loops, and accumulation equivalence."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import torchrun
+from grpo import LOSS_TYPES, group_advantages, grpo_loss, loss_normalizer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def naive_advantages(rewards, G, scale, eps=1e-4):
+    out = []
+    for start in range(0, len(rewards), G):
+        group = rewards[start:start + G]
+        mean = sum(group) / G
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (G - 1)) if G > 1 else 0.0
+        out += [(r - mean) / (std + eps) if scale else r - mean for r in group]
+    return out
+
+
+@pytest.mark.parametrize("scale", [True, False])
+@pytest.mark.parametrize("G", [1, 2, 4])
+def test_group_advantages(scale, G):
+    torch.manual_seed(0)
+    rewards = torch.rand(3 * G, dtype=torch.float64)
+    rewards[:G] = 0.5  # a group with no spread gets zero advantage, not NaN
+    got = group_advantages(rewards, G, scale=scale)
+    want = torch.tensor(naive_advantages(rewards.tolist(), G, scale), dtype=torch.float64)
+    torch.testing.assert_close(got, want)
+    assert torch.all(got[:G] == 0)
+    with pytest.raises(ValueError, match="num_generations"):
+        group_advantages(torch.rand(5), 2, scale=scale)
+
+
+def naive_loss(logps, old, ref, adv, mask, beta, el, eh, loss_type, C, is_w=None):
+    """Token by token, sequence by sequence, in Python floats."""
+    total, tokens, seqs = 0.0, 0, len(logps)
+    for i in range(seqs):
+        seq_sum, n = 0.0, 0
+        for t in range(len(logps[i])):
+            if not mask[i][t]:
+                continue
+            ratio = math.exp(logps[i][t] - old[i][t])
+            clipped = min(max(ratio, 1 - el), 1 + eh)
+            tok = -min(ratio * adv[i], clipped * adv[i])
+            if is_w is not None:
+                tok *= is_w[i][t]
+            if beta > 0:
+                d = ref[i][t] - logps[i][t]
+                tok += beta * (math.exp(d) - d - 1)
+            seq_sum += tok
+            n += 1
+        tokens += n
+        total += seq_sum / max(n, 1) if loss_type == "grpo" else seq_sum
+    return total / {"grpo": seqs, "bnpo": tokens, "dr_grpo": seqs * C}[loss_type]
+
+
+def make_batch(B=6, C=5, seed=0, iterations=2):
+    g = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(B, C, generator=g, dtype=torch.float64) * 3
+    # num_iterations > 1: the old policy differs, so ratios leave 1 and clipping acts
+    old = logps + (torch.rand(B, C, generator=g, dtype=torch.float64) - 0.5) * (0.8 if iterations > 1 else 0)
+    ref = logps + (torch.rand(B, C, generator=g, dtype=torch.float64) - 0.5)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, C + 1, (B,), generator=g)
+    mask = (torch.arange(C)[None] < lengths[:, None]).long()
+    return logps, old, ref, adv, mask
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("clip", [(0.2, 0.2), (0.1, 0.3)])
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_grpo_loss_matches_naive(loss_type, beta, clip, iterations):
+    logps, old, ref, adv, mask = make_batch(iterations=iterations)
+    C = logps.shape[1]
+    el, eh = clip
+    want = naive_loss(logps.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), beta, el, eh,
+                      loss_type, C)
+    logps = logps.clone().requires_grad_(True)
+    loss, metrics = grpo_loss(logps, old if iterations > 1 else None, ref if beta else None, adv, mask, beta=beta,
+                              epsilon_low=el, epsilon_high=eh, loss_type=loss_type,
+                              normalizer=loss_normalizer(mask, loss_type, C))
+    assert loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+    assert metrics["tokens"].item() == mask.sum().item()
+    if iterations > 1:  # with these ratios some tokens clip on each side
+        assert metrics["clip_low"].item() + metrics["clip_high"].item() > 0
+    # the gradient reaches exactly the unmasked, unclipped tokens (plus every token when beta > 0)
+    loss.backward()
+    assert torch.all(logps.grad[mask == 0] == 0)
+
+
+def test_grpo_loss_is_weights_and_errors():
+    logps, old, ref, adv, mask = make_batch()
+    is_w = torch.rand_like(logps)
+    want = naive_loss(logps.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.0, 0.2, 0.2,
+                      "bnpo", 5, is_w.tolist())
+    loss, _ = grpo_loss(logps, old, None, adv, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="bnpo",
+                        normalizer=loss_normalizer(mask, "bnpo", 5), is_weights=is_w)
+    assert loss.item() == pytest.approx(want, rel=1e-10)
+    with pytest.raises(ValueError, match="loss_type"):
+        grpo_loss(logps, old, None, adv, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="sum",
+                  normalizer=1.0)
+    with pytest.raises(ValueError, match="ref_logps"):
+        grpo_loss(logps, old, None, adv, mask, beta=0.1, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo",
+                  normalizer=1.0)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batch_losses_sum_to_full_batch(loss_type):
+    """DESIGN.md problem 4 on the pure function: the batch-wide normaliser makes the split irrelevant."""
+    logps, old, ref, adv, mask = make_batch(B=8, C=6, seed=1)
+    norm = loss_normalizer(mask, loss_type, 6)
+    kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, normalizer=norm)
+    full_lp = logps.clone().requires_grad_(True)
+    full, _ = grpo_loss(full_lp, old, ref, adv, mask, **kw)
+    full.backward()
+    for micro in (1, 2, 4):
+        lp = logps.clone().requires_grad_(True)
+        total = 0.0
+        for s in range(0, 8, micro):
+            part, _ = grpo_loss(lp[s:s + micro], old[s:s + micro], ref[s:s + micro], adv[s:s + micro],
+                                mask[s:s + micro], **kw)
+            part.backward()
+            total += part.item()
+        assert total == pytest.approx(full.item(), rel=1e-10)
+        torch.testing.assert_close(lp.grad, full_lp.grad)
+
+
+def test_accumulation_equivalence_deepspeed(tiny_model, tmp_path):
+    """Real DeepSpeed (ZeRO-2 and ZeRO-3) on 2 ranks: (4, 1), (2, 2), (1, 4) micro-batch x accumulation
+    give the gradient of the whole 8-sequence batch computed on one plain model, for every loss_type."""
+    torchrun(os.path.join(HERE, "dist_grpo_accum.py"), tiny_model, tmp_path)
