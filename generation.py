@@ -242,7 +242,9 @@ class VLLMGenerator:
     def sleep(self):
         """Free vLLM's KV cache while training runs (GPU only; a logged no-op elsewhere)."""
         if not self.sleep_supported:
-            log.info("vLLM sleep mode is not available on this platform; keeping the engine resident")
+            if not getattr(self, "_warned_sleep", False):
+                log.warning("vLLM sleep mode is not available on this platform (CPU): sleep()/wake_up() do nothing")
+                self._warned_sleep = True
             return
         self.llm.reset_prefix_cache()
         self.llm.sleep(level=1)
