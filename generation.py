@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zero3_utils import _module, gathered, is_sharded, is_zero3, iter_full_params, without_hooks
+from zero3_utils import _module, gathered, is_sharded, is_zero3, iter_full_params, partially_gathered, without_hooks
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,12 @@ class Generations:
 
 
 @contextmanager
-def unwrap_for_generation(engine, gather=True):
-    """Yield the module to generate with; see the module docstring. Exactly one yield per path."""
+def unwrap_for_generation(engine, gather=True, resident_bytes=0):
+    """Yield the module to generate with; see the module docstring. Exactly one yield per path.
+
+    gather=False with resident_bytes > 0 (ZeRO-3 only): the middle mode, up to resident_bytes of
+    parameters stay gathered for the whole generation, the rest are fetched layer by layer.
+    """
     model = _module(engine)
     was_training = model.training
     # Flip the flags, not gradient_checkpointing_enable(): that keeps the checkpoint function and
@@ -64,6 +68,9 @@ def unwrap_for_generation(engine, gather=True):
             m.gradient_checkpointing = False
         if gather and is_zero3(model):
             with gathered(model), without_hooks(engine):  # hooks back on before params re-partition
+                yield model
+        elif resident_bytes > 0 and is_zero3(model):
+            with partially_gathered(engine, resident_bytes):
                 yield model
         else:
             yield model

@@ -11,6 +11,8 @@ Public API
     gathered(params_or_module, enabled=True)           GatheredParameters; no-op off ZeRO-3
     remove_hooks(engine) / restore_hooks(engine)       ZeRO-3 per-module fetch hooks off / on
     without_hooks(engine)                              context manager: hooks off, restored on any exit
+    partially_gathered(engine, budget_bytes)           context manager: as many modules as fit in the
+                                                       budget gathered and hook-free, the rest sharded
     iter_full_params(model, max_numel=2**26)           yields (name, full tensor), gathering at most
                                                        max_numel elements (or one parameter) at a time
     save_hf(engine_or_model, tokenizer, path)          consolidated HF checkpoint, written by rank 0
@@ -114,6 +116,66 @@ def without_hooks(engine):
         yield
     finally:
         restore_hooks(engine)
+
+
+def _ds_remove_hooks_of(offload, modules):
+    # deepspeed 0.19.8: forward_hooks/backward_hooks hold torch RemovableHandles; a handle's
+    # hooks_dict_ref points at the hook dict of the module it was registered on.
+    dicts = {id(d) for m in modules for d in (m._forward_pre_hooks, m._forward_hooks)}
+
+    def keep(handles):
+        out = []
+        for h in handles:
+            d = h.hooks_dict_ref()
+            if d is not None and id(d) in dicts:
+                h.remove()
+            else:
+                out.append(h)
+        return out
+
+    offload.forward_hooks, offload.backward_hooks = keep(offload.forward_hooks), keep(offload.backward_hooks)
+
+
+def resident_modules(model_or_engine, budget_bytes):
+    """Modules (with their own parameters) that fit in budget_bytes of full parameters, in order.
+
+    A parameter shared by several modules (tied embeddings) makes them all resident or none, so no
+    hooked module can release a parameter a hook-less one still uses.
+    """
+    model = _module(model_or_engine)
+    owners = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(p, []).append(m)
+    chosen, used = [], 0
+    for m in model.modules():
+        if m in chosen or not list(m.parameters(recurse=False)):
+            continue
+        group = {o for p in m.parameters(recurse=False) for o in owners[p]}
+        params = {p for o in group for p in o.parameters(recurse=False)}
+        size = sum(p.ds_numel * p.element_size() for p in params)
+        if used + size > budget_bytes:
+            break
+        chosen += [o for o in group if o not in chosen]
+        used += size
+    return chosen
+
+
+@contextmanager
+def partially_gathered(engine, budget_bytes):
+    """Keep up to budget_bytes of parameters gathered (hooks off for their modules); the rest stay
+    sharded and are fetched layer by layer as usual. Restored on every exit."""
+    offload = _ds_parameter_offload(engine)
+    modules = resident_modules(engine, budget_bytes)
+    with gathered([p for m in modules for p in m.parameters(recurse=False)]):
+        for p in _module(engine).parameters():
+            p.ds_active_sub_modules.clear()
+        _ds_remove_hooks_of(offload, modules)
+        try:
+            yield modules
+        finally:
+            _ds_remove_hooks(offload)
+            _ds_register_hooks(offload)
 
 
 # ---------------------------------------------------------------- streaming full weights

@@ -63,23 +63,32 @@ def main(model_dir, tied_dir, out_dir):
     with unwrap_for_generation(engine, gather=True) as m:
         assert not is_sharded(m), "gather=True left parameters partitioned"
         assert not m.training and not any(x.gradient_checkpointing for x in m.modules() if hasattr(x, "gradient_checkpointing"))
-        assert state(engine)[0] < before[0], "gather=True did not remove the ZeRO-3 hooks"
+        with_gather_hooks = state(engine)[0]
+        assert with_gather_hooks < before[0], "gather=True did not remove the ZeRO-3 hooks"
         g = generate_hf(m, prompts, batch_size=2, max_new_tokens=12, greedy=True)
     assert state(engine) == before, "state not restored after gathered generation"
     with unwrap_for_generation(engine, gather=False) as m:
         assert is_sharded(m)
         s = generate_hf(m, prompts, batch_size=2, max_new_tokens=12, greedy=True)
     assert state(engine) == before, "state not restored after sharded generation"
+    budget = sum(p.ds_numel * 4 for p in engine.module.parameters()) // 2
+    with unwrap_for_generation(engine, gather=False, resident_bytes=budget) as m:
+        resident = sum(p.data.numel() * 4 for p in m.parameters() if p.data.numel() == p.ds_numel)
+        assert 0 < resident <= budget, f"middle mode keeps {resident} bytes gathered, budget {budget}"
+        assert before[0] > state(engine)[0] > with_gather_hooks, "middle mode should remove some hooks, not all"
+        mid = generate_hf(m, prompts, batch_size=2, max_new_tokens=12, greedy=True)
+    assert state(engine) == before, "state not restored after middle-mode generation"
+    assert torch.equal(mid.completion_ids, ref.completion_ids), f"middle != plain\n{mid.completion_ids}"
     assert torch.equal(g.completion_ids, ref.completion_ids), f"gathered != plain\n{g.completion_ids}\n{ref.completion_ids}"
     assert torch.equal(s.completion_ids, ref.completion_ids), f"sharded != plain\n{s.completion_ids}\n{ref.completion_ids}"
     assert torch.equal(s.completion_mask, ref.completion_mask)
-    ok("greedy plain == gathered == sharded")
+    ok("greedy plain == gathered == sharded == middle mode")
 
     # --- an exception in the body propagates unchanged and the state comes back, every path
-    for gather in (True, False):
+    for gather, resident_bytes in ((True, 0), (False, 0), (False, budget)):
         err = BodyError(f"boom {gather}")
         try:
-            with unwrap_for_generation(engine, gather=gather) as m:
+            with unwrap_for_generation(engine, gather=gather, resident_bytes=resident_bytes) as m:
                 m(torch.tensor([prompts[0]]))  # some real work first
                 raise err
         except BodyError as e:
