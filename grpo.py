@@ -487,6 +487,8 @@ def main(argv=None):
     from zero3_utils import frozen_engine, load_ds_config, save_hf
 
     # 1. setup --------------------------------------------------------------------------------
+    import warnings  # DeepSpeed 0.19 calls c10d APIs that torch 2.13 deprecates, on every collective
+    warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed", category=FutureWarning)
     cuda = torch.cuda.is_available()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -578,7 +580,7 @@ def main(argv=None):
     t_start = time.time()
     first = held_out(start_step, f"step {start_step}") if args.num_eval_prompts else float("nan")
     G, N = args.num_generations, args.prompts_per_rank
-    bar = tqdm(range(start_step, args.max_steps), disable=rank != 0, desc="grpo", dynamic_ncols=True)
+    bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="grpo", dynamic_ncols=True)
     for step in bar:
         t0, mem = time.time(), {}
         torch.manual_seed(args.seed * 7919 + step * world + rank)  # sampling replays exactly on resume
