@@ -98,6 +98,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         for s in range(0, logits.shape[0], chunk_size):
             z = logits[s : s + chunk_size].to(_acc(logits.dtype), copy=True)  # (C, V) the tile we overwrite
             logp[s : s + chunk_size], lse[s : s + chunk_size], _ = _tile_forward(z, index[s : s + chunk_size], False)
+            del z  # free this tile before the next one is allocated: one tile at a time, not two
         ctx.save_for_backward(logits, index, lse)
         ctx.chunk_size = chunk_size
         return logp
@@ -111,6 +112,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             rows = slice(s, s + ctx.chunk_size)
             z = logits[rows].to(lse.dtype, copy=True)  # (C, V)
             grad[rows] = _tile_backward(z, index[rows], lse[rows], g_logp[rows])
+            del z
         return grad, None, None
 
 
@@ -205,6 +207,7 @@ class _FusedLogps(torch.autograd.Function):
             logp[rows], lse[rows], ent = _tile_forward(z, targets[rows], return_entropy)
             if return_entropy:
                 entropy[rows] = ent
+            del z  # free this tile before the next one is allocated: one tile at a time, not two
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return (logp, entropy) if return_entropy else logp
@@ -234,6 +237,7 @@ class _FusedLogps(torch.autograd.Function):
                 grad_w.addmm_(d.t(), h.to(acc))  # (V, H) += (V, C) @ (C, H)
             if need_b:
                 grad_b += d.sum(0)  # (V,)
+            del z, d
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None
