@@ -539,7 +539,8 @@ def main(argv=None):
         vllm = VLLMGenerator(model_path, tensor_parallel_size=args.vllm_tensor_parallel_size,
                              gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                              vllm_batch_size=args.vllm_batch_size, seed=args.seed,
-                             max_model_len=args.max_prompt_length + args.max_completion_length,
+                             max_model_len=min(args.max_prompt_length + args.max_completion_length,
+                                               model.config.max_position_embeddings),
                              dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
 
     start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
@@ -607,6 +608,7 @@ def main(argv=None):
         if args.vllm_importance_cap > 0:  # vLLM sampled these tokens; the trainer scores them a bit differently
             gap = (batch["old_logps"] - gens.logprobs) * gens.completion_mask  # (B, C)
             batch["is_weights"] = torch.exp(gap).clamp(max=args.vllm_importance_cap)  # (B, C)
+            sums_is = all_sum([(torch.exp(gap) * gens.completion_mask).sum().item(), gens.completion_mask.sum().item()])
         mem["logprobs"] = peak_memory_gb(device)
 
         # 6. update: micro-batches, accumulation, one optimizer step per iteration -----------
@@ -636,6 +638,8 @@ def main(argv=None):
                **{f"peak_mem_gb/{k}": v for k, v in mem.items()}}
         if "kl" in totals:
             row["kl"] = totals["kl"] / totals["tokens"]
+        if args.vllm_importance_cap > 0:  # how far vLLM's log-probs are from the trainer's (1 = identical)
+            row["vllm_is_ratio"] = sums_is[0] / sums_is[1]
         for j, name in enumerate(per_func):
             row[f"rewards/{name}/mean"] = allr[:, 2 + j].mean().item()
             row[f"rewards/{name}/std"] = allr[:, 2 + j].std().item()
@@ -663,7 +667,8 @@ def main(argv=None):
         if wandb:
             wandb.finish()
     dist.barrier()
-    dist.destroy_process_group()
+    if vllm is None:  # vLLM's exit handler tears down its own groups and needs the default one alive
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # vLLM spawns workers: keep the entry point guarded
