@@ -3,10 +3,10 @@ batched Hugging Face `generate`, or a colocated vLLM engine fed the training wei
 Imports only zero3_utils (copy both files together).
 
 Public API
-    unwrap_for_generation(engine, gather=True)          context manager -> the nn.Module to generate with
+    unwrap_for_generation(engine, gather=True, resident_bytes=0)   context manager -> the nn.Module
         ZeRO-3, gather=True: all parameters gathered, fetch hooks removed (fast; needs the whole
         model on each device). ZeRO-3, gather=False: still sharded, parameters fetched layer by
-        layer (fits; slower, pass synced_gpus). Otherwise: the module. Eval mode and gradient
+        layer (fits; slower; generate_hf then syncs ranks itself). Otherwise: the module. Eval mode and gradient
         checkpointing off inside; hooks, partitions, checkpointing and train/eval mode restored on
         every exit; an exception in the body propagates unchanged.
     generate_hf(model, prompts, num_generations=1, batch_size=8, max_new_tokens=64,
@@ -26,12 +26,12 @@ prompts are lists of token ids (no padding; the caller tokenizes). N = prompts o
 G = num_generations, C = longest completion. Every rank must make the same calls in the same
 order (ZeRO-3 gathers and synced generation are collectives).
 
-The memory-budgeted middle mode (keep some layers gathered, fetch the rest) is not shipped: see
-README "## Generation" for why.
+The middle mode, unwrap_for_generation(engine, gather=False, resident_bytes=N), keeps the first
+modules that fit in N bytes gathered and hook-free for the whole generation and fetches the rest
+layer by layer; measured between gathered and sharded on both speed and memory (README).
 """
 
 import logging
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -198,6 +198,7 @@ class VLLMGenerator:
                        seed=seed + rank // self.tp,  # same seed inside a TP group, different across groups
                        enable_sleep_mode=self.sleep_supported, logprobs_mode=logprobs_mode, **llm_kwargs)
         self.asleep = False
+        self.pad_token_id = getattr(self.llm.get_tokenizer(), "pad_token_id", None) or 0
 
     def generate(self, prompts, num_generations=1, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0,
                  greedy=False):
@@ -232,7 +233,7 @@ class VLLMGenerator:
             for c in out.outputs:  # the G samples of one prompt
                 ids.append(list(c.token_ids))
                 logps.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-        return Generations(_stack_right_padded(ids, 0, torch.long),  # (N*G, C); vLLM stops at EOS
+        return Generations(_stack_right_padded(ids, self.pad_token_id, torch.long),  # (N*G, C); ends at EOS
                            _stack_right_padded([[1] * len(r) for r in ids], 0, torch.long),
                            _stack_right_padded(logps, 0.0, torch.float32))
 

@@ -119,21 +119,18 @@ def without_hooks(engine):
 
 
 def _ds_remove_hooks_of(offload, modules):
-    # deepspeed 0.19.8: forward_hooks/backward_hooks hold torch RemovableHandles; a handle's
-    # hooks_dict_ref points at the hook dict of the module it was registered on.
+    # deepspeed 0.19.8: forward_hooks/backward_hooks hold torch RemovableHandles; hooks_dict_ref
+    # points at the hook dict of the module a handle was registered on. Active-submodule
+    # bookkeeping is cleared as in _ds_remove_hooks.
+    for p in offload.module.parameters():
+        p.ds_active_sub_modules.clear()
     dicts = {id(d) for m in modules for d in (m._forward_pre_hooks, m._forward_hooks)}
-
-    def keep(handles):
-        out = []
-        for h in handles:
-            d = h.hooks_dict_ref()
-            if d is not None and id(d) in dicts:
-                h.remove()
-            else:
-                out.append(h)
-        return out
-
-    offload.forward_hooks, offload.backward_hooks = keep(offload.forward_hooks), keep(offload.backward_hooks)
+    ours = lambda h: h.hooks_dict_ref() is not None and id(h.hooks_dict_ref()) in dicts  # noqa: E731
+    for h in offload.forward_hooks + offload.backward_hooks:
+        if ours(h):
+            h.remove()
+    offload.forward_hooks = [h for h in offload.forward_hooks if not ours(h)]
+    offload.backward_hooks = [h for h in offload.backward_hooks if not ours(h)]
 
 
 def resident_modules(model_or_engine, budget_bytes):
@@ -168,8 +165,6 @@ def partially_gathered(engine, budget_bytes):
     offload = _ds_parameter_offload(engine)
     modules = resident_modules(engine, budget_bytes)
     with gathered([p for m in modules for p in m.parameters(recurse=False)]):
-        for p in _module(engine).parameters():
-            p.ds_active_sub_modules.clear()
         _ds_remove_hooks_of(offload, modules)
         try:
             yield modules

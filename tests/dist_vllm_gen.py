@@ -71,6 +71,10 @@ def main(model_dir, out_dir):
         ref = torch.log_softmax(logits.float(), -1).gather(-1, ids[:n, None]).squeeze(-1)  # (n,)
         worst = max(worst, (ref - lp[:n]).abs().max().item())
     assert worst < 1e-3, f"vLLM logprobs differ from HF by {worst}"
+    for ids, mask in zip(smp.completion_ids, smp.completion_mask):  # a short row ends with its EOS
+        n = int(mask.sum())
+        assert n == 8 or int(ids[n - 1]) == tok.eos_token_id, f"row stopped early without EOS: {ids}"
+        assert (ids[n:] == tok.pad_token_id).all()
     ok(f"sampler logprobs match HF (max diff {worst:.1e})")
 
     # weight sync: train a step, stream the new weights into vLLM, greedy outputs agree again
