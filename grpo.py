@@ -28,6 +28,7 @@ Departures from the paper (DeepSeekMath, Shao et al. 2024) and why:
   all ranks) and DeepSpeed's own averaging is undone, so accumulation never changes the update.
 """
 
+import itertools
 import json
 import math
 import os
@@ -129,14 +130,10 @@ TASK_CHARS = "0123456789="  # the tiny model's whole vocabulary (+ pad, bos, eos
 def default_task(num_eval, seed=0, digits=3):
     """Prompts like "835=" whose answer is the largest digit ("8"); all 10**digits strings,
     `num_eval` of them held out. A random model emits a digit 2/3 of the time (format reward)."""
-    prompts = ["".join(p) for p in _digit_strings(digits)]
+    prompts = ["".join(p) for p in itertools.product("0123456789", repeat=digits)]
     random.Random(seed).shuffle(prompts)
     rows = [{"prompt": p + "=", "answer": max(p)} for p in prompts]
     return rows[num_eval:], rows[:num_eval]
-
-
-def _digit_strings(n):
-    return [""] if n == 0 else [s + d for s in _digit_strings(n - 1) for d in "0123456789"]
 
 
 def format_reward(prompts, completions, answers):
@@ -174,7 +171,8 @@ def load_jsonl(path, num_eval, seed):
         rows = [json.loads(line) for line in f if line.strip()]
     bad = [i for i, r in enumerate(rows) if "prompt" not in r]
     if bad:
-        raise ValueError(f"{path}: lines {bad[:5]} have no \"prompt\" key; each line is {{\"prompt\": ..., \"answer\": ...}}")
+        raise ValueError(f"{path}: lines {bad[:5]} have no \"prompt\" key; "
+                         "each line is {\"prompt\": ..., \"answer\": ...}")
     random.Random(seed).shuffle(rows)
     if len(rows) <= num_eval:
         raise ValueError(f"{path} has {len(rows)} rows, not more than num_eval_prompts={num_eval}; lower it")
@@ -197,28 +195,24 @@ def batch_rows(rows, step, n, seed):
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class Args:
-    model: str = field(default="", metadata={"help": "hub id or path of the policy; empty: a tiny model built "
-                                                     "from scratch in <run_dir>/model for the default task"})
-    data: str = field(default="", metadata={"help": "JSONL, one {\"prompt\": ..., \"answer\": ...} per line; "
-                                                    "empty: the built-in largest-digit task"})
-    reward_funcs: str = field(default="", metadata={"help": "comma-separated module:function rewards "
-                                                            "(prompts, completions, answers) -> list[float]; empty: "
-                                                            "format_reward,correct_reward (default task) or exact_match_reward"})
-    reward_weights: str = field(default="", metadata={"help": "comma-separated weight per reward function; "
-                                                              "empty: 0.25,0.75 for the default task, else all 1"})
+    model: str = field(default="", metadata={"help": "policy hub id or path; empty: tiny model from scratch"})
+    data: str = field(default="", metadata={"help": "JSONL of {prompt, answer}; empty: the largest-digit task"})
+    reward_funcs: str = field(default="", metadata={"help": "module:function,... each (prompts, completions, "
+                                                            "answers) -> list[float]; empty: the task's own"})
+    reward_weights: str = field(default="", metadata={"help": "one weight per reward; empty: 0.25,0.75 (task) or 1s"})
     run_dir: str = field(default="runs/grpo", metadata={"help": "metrics.jsonl, args, checkpoints, final model"})
-    ds_config: str = field(default="configs/zero3.json", metadata={"help": "DeepSpeed JSON; \"auto\" filled from these args"})
+    ds_config: str = field(default="configs/zero3.json", metadata={"help": "DeepSpeed JSON, \"auto\" from these args"})
     seed: int = field(default=0, metadata={"help": "data order, sampling and (default task) model init"})
     # rollout
-    prompts_per_rank: int = field(default=16, metadata={"help": "prompts per rank per step (each gets num_generations)"})
+    prompts_per_rank: int = field(default=16, metadata={"help": "prompts per rank per step, G completions each"})
     num_generations: int = field(default=8, metadata={"help": "G: completions per prompt, one group"})
     max_prompt_length: int = field(default=512, metadata={"help": "prompt tokens kept (from the left end)"})
     max_completion_length: int = field(default=2, metadata={"help": "C: new tokens per completion"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (log-probs use it too)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
     use_vllm: bool = field(default=False, metadata={"help": "generate with a colocated vLLM engine per rank"})
-    gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3: gather the model to generate "
-                                                                        "(fast); False: sharded, layer by layer (fits)"})
+    gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3: gather to generate (fast); "
+                                                                        "False: sharded, layer by layer (fits)"})
     generation_batch_size: int = field(default=256, metadata={"help": "HF generate: sequences per call"})
     vllm_batch_size: int = field(default=0, metadata={"help": "vLLM: prompts per call, 0 = all at once"})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM's share of GPU memory"})
@@ -232,14 +226,13 @@ class Args:
     epsilon_high: float = field(default=0.2, metadata={"help": "ratio clipped above at 1 + epsilon_high"})
     scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group std"})
     num_iterations: int = field(default=1, metadata={"help": "optimizer steps per generated batch"})
-    learning_rate: float = field(default=2e-3, metadata={"help": "peak LR (the tiny default model trains from "
-                                                                 "scratch; use ~1e-6 for a pretrained model)"})
+    learning_rate: float = field(default=2e-3, metadata={"help": "peak LR (from scratch; ~1e-6 pretrained)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     warmup_steps: int = field(default=0, metadata={"help": "linear LR warmup steps"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
     per_device_train_batch_size: int = field(default=32, metadata={"help": "completions per micro-batch"})
-    max_tokens_per_microbatch: int = field(default=0, metadata={"help": "> 0: micro-batches by padded-token budget "
-                                                                        "(length-sorted) instead of a fixed count"})
+    max_tokens_per_microbatch: int = field(default=0, metadata={"help": "> 0: micro-batches by padded-token "
+                                                                        "budget (length-sorted), not by count"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
     ref_offload: bool = field(default=False, metadata={"help": "keep the reference model's shards in CPU memory"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"})
@@ -290,11 +283,11 @@ def encode_prompts(tokenizer, rows, max_prompt_length):
     return [i[-max_prompt_length:] for i in ids]
 
 
-def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations, greedy=False):
+def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
     """Generations for whole groups on this rank: G completions of each prompt, prompt-major."""
     from generation import generate_hf, unwrap_for_generation
     kw = dict(num_generations=num_generations, max_new_tokens=args.max_completion_length,
-              temperature=args.temperature, top_p=args.top_p, greedy=greedy)
+              temperature=args.temperature, top_p=args.top_p)
     if vllm is not None:
         return vllm.generate(prompt_ids, **kw)
     with unwrap_for_generation(engine, gather=args.gather_for_generation) as model:
@@ -423,13 +416,21 @@ def train_on_batch(engine, batch, plan, args, normalizer, device):
 # Evaluation, logging helpers
 # ----------------------------------------------------------------------------------------------
 def peak_memory_gb(device):
-    """GPU: peak allocated since the last call (then reset). CPU: the process's RSS high-water mark."""
+    """Peak since the last call, then reset: GPU memory allocated, or on CPU the process's resident set
+    (Linux VmHWM, reset through /proc/self/clear_refs; elsewhere the never-reset ru_maxrss)."""
     if device.type == "cuda":
         gb = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
         return gb
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the high-water mark to the current RSS
+        return kib / 2**20
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux, bytes on macOS
 
 
 def all_sum(values):
@@ -461,12 +462,10 @@ def plot_curves(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    train = [r for r in rows if "reward" in r]
-    axes[0].plot([r["step"] for r in train], [r["reward"] for r in train], label="train reward")
-    held = [r for r in rows if "eval/reward" in r]
-    axes[0].plot([r["step"] for r in held], [r["eval/reward"] for r in held], "o-", label="held-out reward")
-    axes[1].plot([r["step"] for r in train], [r.get("kl", float("nan")) for r in train], label="KL to reference")
-    for ax in axes:
+    for ax, key, label, style in ((axes[0], "reward", "train reward", "-"), (axes[0], "eval/reward", "held-out reward",
+                                  "o-"), (axes[1], "kl", "KL to reference", "-")):
+        have = [r for r in rows if key in r]
+        ax.plot([r["step"] for r in have], [r[key] for r in have], style, label=label)
         ax.set_xlabel("step")
         ax.legend()
     fig.tight_layout()
@@ -526,7 +525,8 @@ def main(argv=None):
             "optimizer.params.lr": args.learning_rate, "optimizer.params.weight_decay": args.weight_decay}
     fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}  # only sections the JSON has
     ds_config = load_ds_config(raw, world_size=world, hidden_size=model.config.hidden_size, **fill)
-    warmup = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))  # noqa: E731
+    def warmup(optimizer):  # linear warmup; a client scheduler, so the JSON needs no scheduler section
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config, lr_scheduler=warmup)
     ref = None
@@ -581,7 +581,7 @@ def main(argv=None):
     t_start = time.time()
     first = held_out(start_step, f"step {start_step}") if args.num_eval_prompts else float("nan")
     G, N = args.num_generations, args.prompts_per_rank
-    bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="grpo", dynamic_ncols=True)
+    bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="grpo")
     for step in bar:
         t0, mem = time.time(), {}
         torch.manual_seed(args.seed * 7919 + step * world + rank)  # sampling replays exactly on resume
@@ -630,19 +630,16 @@ def main(argv=None):
         row = {"step": step + 1, "reward": allr[:, 0].mean().item(), "reward_std": allr[:, 0].std().item(),
                "accuracy": (allr[:, 2:] >= 1).all(1).float().mean().item(), "loss": totals["loss"],
                "completion_len": allr[:, 1].mean().item(), "completion_len_max": allr[:, 1].max().item(),
-               "entropy": totals["entropy"] / totals["tokens"], "ratio": totals["ratio"] / totals["tokens"],
+               **{k: totals[k] / totals["tokens"] for k in ("entropy", "ratio", "clip_low", "clip_high", "kl")
+                  if k in totals},
                "clip_frac": (totals["clip_low"] + totals["clip_high"]) / totals["tokens"],
-               "clip_low": totals["clip_low"] / totals["tokens"], "clip_high": totals["clip_high"] / totals["tokens"],
                "lr": engine.get_lr()[0], "tokens_per_s": allr[:, 1].sum().item() / dt, "step_s": dt,
                "rollout_s": t_rollout, "update_s": t_update, "elapsed_s": time.time() - t_start,
-               **{f"peak_mem_gb/{k}": v for k, v in mem.items()}}
-        if "kl" in totals:
-            row["kl"] = totals["kl"] / totals["tokens"]
+               **{f"peak_mem_gb/{k}": v for k, v in mem.items()},
+               **{f"rewards/{name}/{stat}": getattr(allr[:, 2 + j], stat)().item()
+                  for j, name in enumerate(per_func) for stat in ("mean", "std")}}
         if args.vllm_importance_cap > 0:  # how far vLLM's log-probs are from the trainer's (1 = identical)
             row["vllm_is_ratio"] = sums_is[0] / sums_is[1]
-        for j, name in enumerate(per_func):
-            row[f"rewards/{name}/mean"] = allr[:, 2 + j].mean().item()
-            row[f"rewards/{name}/std"] = allr[:, 2 + j].std().item()
         record(row)
         bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}")
         if rank == 0:
@@ -651,7 +648,7 @@ def main(argv=None):
                       + (f" kl {row['kl']:.4f}" if "kl" in row else "") + f" {dt:.2f}s")
         if args.save_steps and (step + 1) % args.save_steps == 0:
             engine.save_checkpoint(ckpt_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
-        if args.eval_steps and args.num_eval_prompts and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
+        if args.eval_steps and eval_rows and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             held_out(step + 1, f"step {step + 1}")
 
     bar.close()
