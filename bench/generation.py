@@ -4,11 +4,13 @@ Modes: HF generate with the model ZeRO-3 gathered / sharded / middle (half the p
 resident), vLLM with vllm_batch_size off / on, plus the vLLM weight sync. Per mode: tokens/s
 (all ranks' completion tokens over the slowest rank's wall time), the peak bytes of full parameters
 held by one rank while generating (HF modes; vLLM holds a full copy plus its KV cache), and the
-peak RSS rise of the process during the mode. Ratios are the point, not the absolute numbers.
+peak RSS rise of the process during the mode (gather included; meaningful on CPU with
+--mmap_rss, which makes freed memory leave the process but slows every mode). Ratios are the point, not the absolute numbers.
 
     torchrun --nproc_per_node 2 bench/generation.py --hidden_size 1024 --num_layers 8
 """
 
+import ctypes
 import json
 import os
 import sys
@@ -32,6 +34,8 @@ class Args:
     batch_size: int = field(default=16, metadata={"help": "HF sequences per generate call"})
     vllm_batch_size: int = field(default=4, metadata={"help": "prompts per vLLM call in the 'on' mode"})
     skip_vllm: bool = field(default=False, metadata={"help": "HF modes only"})
+    mmap_rss: bool = field(default=False, metadata={"help": "CPU: serve large allocations from mmap so RSS "
+                                                             "tracks live memory (slows every mode down)"})
 
 
 class PeakRSS:
@@ -103,6 +107,9 @@ def main():
     from zero3_utils import save_hf
 
     (a,) = HfArgumentParser(Args).parse_args_into_dataclasses()
+    if a.mmap_rss:  # glibc keeps freed heap blocks, so RSS shows every layer ever fetched; blocks
+        # of 64 KiB and up from mmap are returned on free, so RSS follows the live tensors.
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.join(a.out_dir, f"model-h{a.hidden_size}-l{a.num_layers}")
