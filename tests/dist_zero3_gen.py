@@ -154,7 +154,14 @@ def main(model_dir, tied_dir, out_dir):
         for n, t in full.items():
             assert torch.equal(sd[n], t), f"saved {n} differs"
         AutoTokenizer.from_pretrained(path)
-    ok("save_hf reloads with identical weights")
+    sharded_path = os.path.join(out_dir, "saved_shards")  # several files + index
+    save_hf(engine, tok, sharded_path, max_shard_bytes=300_000)
+    if rank == 0:
+        assert os.path.exists(os.path.join(sharded_path, "model.safetensors.index.json"))
+        sd = AutoModelForCausalLM.from_pretrained(sharded_path, dtype=torch.float32).state_dict()
+        for n, t in full.items():
+            assert torch.equal(sd[n], t), f"sharded save {n} differs"
+    ok("save_hf reloads with identical weights (one file and sharded)")
 
     # --- frozen engines (tied embeddings, CPU offload): sharded generation == plain
     tied_plain = AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32)
