@@ -19,13 +19,15 @@ tokens (max_completion_length), T = P + C, G num_generations, N prompts, V vocab
 Departures from the paper (DeepSeekMath, Shao et al. 2024) and why:
 - loss_type: "grpo" is the paper's per-sequence token mean; "bnpo" (default) and "dr_grpo"
   (Liu et al. 2025) normalise token sums by batch-wide counts, which removes the length bias.
-- The KL term uses the k3 estimator exp(ref - logp) - (ref - logp) - 1 on sampled tokens,
-  and beta defaults to 0 (no reference model is built then), as most recent recipes do.
+- KL by the paper's k3 estimator exp(ref - logp) - (ref - logp) - 1, but beta defaults to 0
+  (the paper: 0.04) and then no reference model is built, as most recent recipes do.
 - Asymmetric clipping [1 - epsilon_low, 1 + epsilon_high] (DAPO, Yu et al. 2025).
 - Optional truncated importance sampling against the generator's own log-probs when vLLM
   generates (vLLM's and the trainer's numerics differ), capped at vllm_importance_cap.
 - Every micro-batch loss is divided by the WHOLE batch's normaliser (all micro-batches,
   all ranks) and DeepSpeed's own averaging is undone, so accumulation never changes the update.
+Limits: every rank loads the full checkpoint before DeepSpeed partitions it (no zero.Init,
+which needs `accelerate`); the held-out score is one sampled completion per prompt.
 """
 
 import itertools
@@ -35,7 +37,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -213,6 +215,8 @@ class Args:
     use_vllm: bool = field(default=False, metadata={"help": "generate with a colocated vLLM engine per rank"})
     gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3: gather to generate (fast); "
                                                                         "False: sharded, layer by layer (fits)"})
+    generation_resident_gb: float = field(default=0.0, metadata={"help": "with gather_for_generation False: keep "
+                                                                       "this many GB of layers gathered (middle mode)"})
     generation_batch_size: int = field(default=256, metadata={"help": "HF generate: sequences per call"})
     vllm_batch_size: int = field(default=0, metadata={"help": "vLLM: prompts per call, 0 = all at once"})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM's share of GPU memory"})
@@ -290,7 +294,8 @@ def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
               temperature=args.temperature, top_p=args.top_p)
     if vllm is not None:
         return vllm.generate(prompt_ids, **kw)
-    with unwrap_for_generation(engine, gather=args.gather_for_generation) as model:
+    with unwrap_for_generation(engine, gather=args.gather_for_generation,
+                               resident_bytes=int(args.generation_resident_gb * 2**30)) as model:
         return generate_hf(model, prompt_ids, batch_size=args.generation_batch_size,
                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kw)
 
