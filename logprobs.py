@@ -12,24 +12,29 @@ three ways down, each usable alone (the file imports no sibling; copy it):
   per_token_logps(model, ...)             the upstream fix: mini-batches of sequences,
                                           only the completion positions' logits.
   fused_logps(hidden, weight, targets)    never builds logits at all: lm_head matmul,
-  model_logps(model, ...)                 logsumexp and gather fused per chunk of C
-                                          tokens, forward and backward; the largest
-                                          temporary is one (C, V) fp32 tile.
+  model_logps(model, ...)                 online logsumexp and gather fused per tile
+                                          of C tokens x v vocabulary entries, forward
+                                          and backward; the largest temporary is one
+                                          (C, v) fp32 tile (32 MiB by default).
 
 Shapes: B sequences, T tokens per sequence (prompt + completion, padded),
 K = logits_to_keep completion tokens scored per sequence, N tokens (N = B * K when
-flattened), H hidden size, V vocabulary size, C chunk of tokens (rows).
+flattened), H hidden size, V vocabulary size, C chunk of tokens (rows), v chunk of
+the vocabulary (columns).
 
 Log-probs come back in fp32 whatever the model's dtype (ratios exp(logp - old)
-amplify bf16 rounding). Position ids follow the attention mask, as in HF
+amplify bf16 rounding; fp64 inputs stay fp64). Position ids follow the attention mask, as in HF
 `generate`, so left-padded prompts score exactly as they were sampled.
 """
 
 import torch
 
-# A (C, V) fp32 tile of about 64 MiB: C = 110 rows at V = 151936. Large enough that the
-# (C, H) @ (H, V) matmul runs near peak speed, small enough to sit beside a 7B model.
+# Defaults: a (C, V) fp32 tile of ~64 MiB for selective_log_softmax (110 rows at
+# V = 151936); for fused_logps, 1024 rows x 8192 vocabulary entries (32 MiB): big enough
+# for the matmuls to run near peak speed, small enough to sit beside a 7B model.
 DEFAULT_TILE_ELEMENTS = 2**24
+DEFAULT_CHUNK_SIZE = 1024
+DEFAULT_VOCAB_CHUNK_SIZE = 8192
 
 
 def _acc(dtype):
@@ -43,42 +48,54 @@ def default_chunk_size(vocab_size):
 
 
 # ----------------------------------------------------------------------------------
-# Per-tile math shared by selective_log_softmax and fused_logps. A tile z is (C, V)
-# fp32 logits already divided by the temperature; both helpers overwrite it in place
-# so that a forward needs one tile (two with entropy) and a backward one (two).
+# Per-tile math shared by selective_log_softmax and fused_logps. A tile z is (C, v):
+# C rows, the vocabulary slice [v0, v0 + v), fp32 logits already divided by the
+# temperature. The forward streams tiles through an online logsumexp (running max m,
+# running sum s of exp(z - m)); the backward turns each tile into its gradient in place.
 # ----------------------------------------------------------------------------------
 
 
-def _tile_forward(z, targets, return_entropy):
-    """z (C, V) fp32 (overwritten), targets (C,) -> logp (C,), lse (C,), entropy (C,) or None."""
-    picked = z.gather(1, targets[:, None]).squeeze(1)  # (C,) logit of the sampled token
-    zmax = z.amax(1, keepdim=True)  # (C, 1)
-    z.sub_(zmax)  # (C, V) z - max, so exp cannot overflow
-    entropy = None
-    if return_entropy:
-        e = z.exp()  # (C, V) unnormalised probabilities
-        s = e.sum(1)  # (C,)
-        ez = torch.bmm(e[:, None, :], z[:, :, None]).view(-1)  # (C,) sum_v e * (z - max), no (C, V) temp
-        entropy = s.log() - ez / s  # (C,) H = log s - E_p[z - max]
-    else:
-        s = z.exp_().sum(1)  # (C,)
-    lse = zmax.squeeze(1) + s.log()  # (C,)
+def _stream_forward(tiles, targets, return_entropy):
+    """tiles: iterable of (v0, z (C, v) fp32, overwritten); targets (C,) -> logp, lse, entropy (C,)."""
+    C = targets.shape[0]
+    m = s = a = picked = None
+    for v0, z in tiles:
+        if m is None:
+            m = torch.full((C,), float("-inf"), dtype=z.dtype, device=z.device)  # running max
+            s, a, picked = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
+        local = targets - v0  # (C,) target's column in this tile
+        hit = (local >= 0) & (local < z.shape[1])  # (C,)
+        picked += torch.where(hit, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0)  # (C,)
+        m_new = torch.maximum(m, z.amax(1))  # (C,)
+        scale = torch.exp(m - m_new)  # (C,) rescales the old sums to the new max; 0 on the first tile
+        if return_entropy:
+            e = torch.exp(z - m_new[:, None])  # (C, v)
+            a = a * scale + torch.bmm(e[:, None, :], z[:, :, None]).view(-1)  # (C,) sum e * z, no (C, v) temp
+        else:
+            e = z.sub_(m_new[:, None]).exp_()  # (C, v) in place
+        s = s * scale + e.sum(1)  # (C,)
+        m = m_new
+        del z, e  # free this tile before the next is made: one tile live (two with entropy)
+    lse = m + s.log()  # (C,)
+    entropy = lse - a / s if return_entropy else None  # (C,) H = lse - E_p[z]
     return picked - lse, lse, entropy
 
 
-def _tile_backward(z, targets, lse, g_logp, entropy=None, g_entropy=None):
-    """d(loss)/dz for one tile. z (C, V) fp32 (overwritten); lse, g_logp, entropy, g_entropy (C,).
+def _tile_grad(z, v0, targets, lse, g_logp, entropy=None, g_entropy=None):
+    """d(loss)/dz for one tile. z (C, v) fp32 (overwritten); targets, lse, g_logp, entropy, g_entropy (C,).
 
-    d logp_t / dz_v = 1[v = t] - p_v;   d H / dz_v = -p_v (log p_v + H).
+    d logp_t / dz_j = 1[j = t] - p_j;   d H / dz_j = -p_j (log p_j + H).
     """
-    z.sub_(lse[:, None])  # (C, V) log p
+    z.sub_(lse[:, None])  # (C, v) log p
     if g_entropy is None:
-        grad = z.exp_().mul_(-g_logp[:, None])  # (C, V) -p * g_logp
+        grad = z.exp_().mul_(-g_logp[:, None])  # (C, v) -p * g_logp
     else:
-        p = z.exp()  # (C, V)
-        z.add_(entropy[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None])  # (C, V) g_logp + g_H (log p + H)
-        grad = p.mul_(z).neg_()  # (C, V)
-    grad.scatter_add_(1, targets[:, None], g_logp[:, None])  # (C, V) + 1[v = t] g_logp
+        p = z.exp()  # (C, v)
+        z.add_(entropy[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None])  # (C, v) g_logp + g_H (log p + H)
+        grad = p.mul_(z).neg_()  # (C, v)
+    local = targets - v0  # (C,)
+    hit = (local >= 0) & (local < grad.shape[1])  # (C,)
+    grad.scatter_add_(1, local.clamp(0, grad.shape[1] - 1)[:, None], (g_logp * hit)[:, None])  # + 1[j = t] g_logp
     return grad
 
 
@@ -96,9 +113,9 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         logp = torch.empty(index.shape, dtype=_acc(logits.dtype), device=logits.device)  # (N,)
         lse = torch.empty_like(logp)  # (N,)
         for s in range(0, logits.shape[0], chunk_size):
-            z = logits[s : s + chunk_size].to(_acc(logits.dtype), copy=True)  # (C, V) the tile we overwrite
-            logp[s : s + chunk_size], lse[s : s + chunk_size], _ = _tile_forward(z, index[s : s + chunk_size], False)
-            del z  # free this tile before the next one is allocated: one tile at a time, not two
+            tile = logits[s : s + chunk_size].to(_acc(logits.dtype), copy=True)  # (C, V) the copy we overwrite
+            logp[s : s + chunk_size], lse[s : s + chunk_size], _ = _stream_forward([(0, tile)], index[s : s + chunk_size], False)
+            del tile  # free this tile before the next one is allocated: one tile at a time, not two
         ctx.save_for_backward(logits, index, lse)
         ctx.chunk_size = chunk_size
         return logp
@@ -111,7 +128,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         for s in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(s, s + ctx.chunk_size)
             z = logits[rows].to(lse.dtype, copy=True)  # (C, V)
-            grad[rows] = _tile_backward(z, index[rows], lse[rows], g_logp[rows])
+            grad[rows] = _tile_grad(z, 0, index[rows], lse[rows], g_logp[rows])
             del z
         return grad, None, None
 
@@ -180,77 +197,81 @@ def per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size
 # ----------------------------------------------------------------------------------
 
 
-def _tile_logits(h, weight, bias, temperature):
-    """(C, H) hidden -> (C, V) fp32 tempered logits, a fresh tile the caller may overwrite."""
-    z = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())  # (C, V) in the model's dtype
-    z = z.to(_acc(z.dtype))  # (C, V) no copy when already fp32
-    return z.mul_(1.0 / temperature) if temperature != 1.0 else z
+def _tiles(h, weight, bias, temperature, vocab_chunk_size):
+    """Yield (v0, z (C, v) fp32 tempered logits) for the vocabulary slices of lm_head, one at a time."""
+    for v0 in range(0, weight.shape[0], vocab_chunk_size):
+        w = weight[v0 : v0 + vocab_chunk_size]  # (v, H) a view
+        z = h @ w.t() if bias is None else torch.addmm(bias[v0 : v0 + vocab_chunk_size], h, w.t())  # (C, v)
+        z = z.to(_acc(z.dtype))  # (C, v) no copy when already fp32
+        yield v0, (z.mul_(1.0 / temperature) if temperature != 1.0 else z)
 
 
 class _FusedLogps(torch.autograd.Function):
-    """Forward keeps lse (N,) and entropy (N,); backward recomputes each (C, V) tile.
+    """Forward keeps only lse (N,) and entropy (N,); backward recomputes each (C, v) tile.
 
-    The recompute costs one extra (C, H) @ (H, V) matmul per chunk; that is the price
-    of never storing (N, V). Gradients: dH = d @ W (C, H) per chunk; dW += d^T @ h and
-    db += d.sum(0) accumulate in fp32 in place (addmm_), so no (V, H) temporary per chunk.
+    The recompute costs one extra (C, H) @ (H, v) matmul per tile: the price of never
+    storing (N, V). Gradients accumulate in fp32 in place (addmm_): dH[rows] += d @ W[cols],
+    dW[cols] += d^T @ h, db[cols] += d.sum(0), so no temporary exceeds a tile.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, return_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, vocab_chunk_size, return_entropy):
         N = hidden.shape[0]
         logp = torch.empty(N, dtype=_acc(weight.dtype), device=hidden.device)  # (N,)
         lse = torch.empty_like(logp)  # (N,)
         entropy = torch.empty_like(logp) if return_entropy else None  # (N,)
         for s in range(0, N, chunk_size):
             rows = slice(s, s + chunk_size)
-            z = _tile_logits(hidden[rows], weight, bias, temperature)  # (C, V)
-            logp[rows], lse[rows], ent = _tile_forward(z, targets[rows], return_entropy)
+            tiles = _tiles(hidden[rows], weight, bias, temperature, vocab_chunk_size)
+            logp[rows], lse[rows], ent = _stream_forward(tiles, targets[rows], return_entropy)
             if return_entropy:
                 entropy[rows] = ent
-            del z  # free this tile before the next one is allocated: one tile at a time, not two
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.sizes = temperature, chunk_size, vocab_chunk_size
         return (logp, entropy) if return_entropy else logp
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy=None):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        temperature, chunk_size, vocab_chunk_size = ctx.sizes
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        # z = raw / T, and the tile gradient is linear in (g_logp, g_entropy): fold 1/T in here.
         acc = lse.dtype
-        g_logp = g_logp.to(acc) / ctx.temperature  # (N,)
+        # z = raw / T and the tile gradient is linear in (g_logp, g_entropy): fold 1/T in here.
+        g_logp = g_logp.to(acc) / temperature  # (N,)
         if g_entropy is not None:
-            g_entropy = g_entropy.to(acc) / ctx.temperature  # (N,)
-        grad_h = torch.empty_like(hidden) if need_h else None  # (N, H)
+            g_entropy = g_entropy.to(acc) / temperature  # (N,)
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None  # (N, H)
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None  # (V, H)
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None  # (V,)
-        for s in range(0, hidden.shape[0], ctx.chunk_size):
-            rows = slice(s, s + ctx.chunk_size)
+        for s in range(0, hidden.shape[0], chunk_size):
+            rows = slice(s, s + chunk_size)
             h = hidden[rows]  # (C, H)
-            z = _tile_logits(h, weight, bias, ctx.temperature)  # (C, V) recomputed
-            d = _tile_backward(z, targets[rows], lse[rows], g_logp[rows],
-                               None if entropy is None else entropy[rows],
-                               None if g_entropy is None else g_entropy[rows])  # (C, V) fp32
-            if need_h:
-                grad_h[rows] = d.to(weight.dtype) @ weight  # (C, H)
-            if need_w:
-                grad_w.addmm_(d.t(), h.to(acc))  # (V, H) += (V, C) @ (C, H)
-            if need_b:
-                grad_b += d.sum(0)  # (V,)
-            del z, d
-        grad_w = grad_w.to(weight.dtype) if need_w else None
-        grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+            ent, g_ent = (None, None) if g_entropy is None else (entropy[rows], g_entropy[rows])
+            for v0, z in _tiles(h, weight, bias, temperature, vocab_chunk_size):
+                cols = slice(v0, v0 + z.shape[1])
+                d = _tile_grad(z, v0, targets[rows], lse[rows], g_logp[rows], ent, g_ent)  # (C, v)
+                if need_h:
+                    grad_h[rows].addmm_(d, weight[cols].to(acc))  # (C, H) += (C, v) @ (v, H)
+                if need_w:
+                    grad_w[cols].addmm_(d.t(), h.to(acc))  # (v, H) += (v, C) @ (C, H)
+                if need_b:
+                    grad_b[cols] += d.sum(0)  # (v,)
+                del z, d
+        return (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None,
+                grad_b.to(bias.dtype) if need_b else None, None, None, None, None, None)
 
 
-def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=None, return_entropy=False):
+def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
+                return_entropy=False, vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE):
     """log_softmax((hidden @ weight.T + bias) / temperature)[targets] without the (N, V) logits.
 
     hidden (N, H) (or (B, K, H), flattened and reshaped back), weight (V, H) the lm_head
     weight, targets (N,) long, bias (V,) or None. Returns logp (N,) fp32, and entropy (N,)
     fp32 of the tempered distribution when return_entropy. Exact gradients for hidden,
-    weight and bias, also through the entropy. No tensor larger than (chunk_size, V)
-    exists in forward or backward beyond the (V, H) fp32 weight-gradient accumulator.
+    weight and bias, also through the entropy. Work runs in tiles of chunk_size tokens x
+    vocab_chunk_size vocabulary entries (an online logsumexp across the vocabulary), so no
+    tensor larger than one tile exists in forward or backward besides the (V, H) fp32
+    weight-gradient accumulator and the (N, H) hidden gradient.
     """
     lead = hidden.shape[:-1]
     if targets.shape != lead:
@@ -261,7 +282,8 @@ def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     out = _FusedLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), float(temperature),
-                            chunk_size or default_chunk_size(weight.shape[0]), return_entropy)
+                            chunk_size or DEFAULT_CHUNK_SIZE, vocab_chunk_size or DEFAULT_VOCAB_CHUNK_SIZE,
+                            return_entropy)
     if return_entropy:
         return out[0].view(lead), out[1].view(lead)
     return out.view(lead)
@@ -272,8 +294,8 @@ def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=
 # ----------------------------------------------------------------------------------
 
 
-def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.0, chunk_size=None,
-                return_entropy=False):
+def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
+                return_entropy=False, vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE):
     """Log-probs (B, K) fp32 of input_ids[:, -K:] (and entropies (B, K)) through fused_logps.
 
     The model runs its own forward (a transformers CausalLM, a DeepSpeed engine, or a
@@ -300,7 +322,8 @@ def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.
 
     def fused_forward(hidden_states):  # (B, K + 1, H) when the model honours logits_to_keep, else (B, T, H)
         h = hidden_states[:, -K - 1 : -1]  # (B, K, H) position t predicts token t + 1
-        out = fused_logps(h, lm_head.weight, targets, lm_head.bias, temperature, chunk_size, return_entropy)
+        out = fused_logps(h, lm_head.weight, targets, lm_head.bias, temperature, chunk_size, return_entropy,
+                          vocab_chunk_size)
         return torch.stack(out, -1) if return_entropy else out  # (B, K, 2) or (B, K): one tensor for the hooks
 
     saved = lm_head.__dict__.get("forward")  # an instance-level forward (e.g. a wrapper's) to put back

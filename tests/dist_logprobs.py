@@ -24,7 +24,7 @@ def naive_logps(model, ids, mask, K, temperature):
 
 
 def fused(model, ids, mask, K, temperature):
-    logp, entropy = model_logps(model, ids, mask, K, temperature, chunk_size=7, return_entropy=True)
+    logp, entropy = model_logps(model, ids, mask, K, temperature, chunk_size=7, return_entropy=True, vocab_chunk_size=32)
     return logp, entropy
 
 
