@@ -1,0 +1,140 @@
+"""ppo.py's pure functions against naive loops and hand-computed cases; whitening across 2 ranks."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import torchrun
+from ppo import gae, masked_whiten, policy_loss, token_rewards, value_loss
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def naive_gae(rewards, values, mask, gamma, lam):
+    """Sequence by sequence in Python floats: keep the unmasked steps, run the textbook recursion."""
+    B, C = len(rewards), len(rewards[0])
+    adv = [[0.0] * C for _ in range(B)]
+    for i in range(B):
+        steps = [t for t in range(C) if mask[i][t]]
+        last, next_v = 0.0, 0.0
+        for t in reversed(steps):
+            delta = rewards[i][t] + gamma * next_v - values[i][t]
+            last = delta + gamma * lam * last
+            next_v = values[i][t]
+            adv[i][t] = last
+    ret = [[(adv[i][t] + values[i][t]) if mask[i][t] else 0.0 for t in range(C)] for i in range(B)]
+    return adv, ret
+
+
+def random_case(B=5, C=7, seed=0, holes=False):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(B, C, generator=g, dtype=torch.float64)
+    values = torch.randn(B, C, generator=g, dtype=torch.float64)
+    lengths = torch.randint(0, C + 1, (B,), generator=g)
+    lengths[0] = C  # one full row, and (seed 0) an empty one below
+    mask = (torch.arange(C)[None] < lengths[:, None]).long()  # (B, C) right-padded completions
+    if holes:  # a general mask: masked steps anywhere are skipped
+        mask = (torch.rand(B, C, generator=g) > 0.3).long()
+    return rewards, values, mask
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.5), (0.99, 0.0)])
+@pytest.mark.parametrize("holes", [False, True])
+def test_gae_matches_naive_loop(gamma, lam, holes):
+    rewards, values, mask = random_case(holes=holes)
+    adv, ret = gae(rewards, values, mask, gamma, lam)
+    want_adv, want_ret = naive_gae(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
+    torch.testing.assert_close(adv, torch.tensor(want_adv, dtype=torch.float64))
+    torch.testing.assert_close(ret, torch.tensor(want_ret, dtype=torch.float64))
+    assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0)
+
+
+def test_gae_hand_computed():
+    rewards = torch.tensor([[0.0, 1.0, 5.0]])
+    values = torch.tensor([[0.5, 0.2, 9.0]])
+    mask = torch.tensor([[1, 1, 0]])  # the third step is padding: its reward and value never count
+    adv, ret = gae(rewards, values, mask, 1.0, 1.0)
+    # t=1: delta = 1 + 0 - 0.2 = 0.8; t=0: delta = 0 + 0.2 - 0.5 = -0.3, A = -0.3 + 0.8 = 0.5
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.8, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 0.0]]))  # gamma = lam = 1: reward-to-go
+    adv, ret = gae(rewards, values, mask, 0.9, 0.5)
+    # t=0: delta = 0.9 * 0.2 - 0.5 = -0.32, A = -0.32 + 0.45 * 0.8 = 0.04
+    torch.testing.assert_close(adv, torch.tensor([[0.04, 0.8, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.54, 1.0, 0.0]]))
+
+
+def test_token_rewards():
+    logps = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -2.0, -2.0], [-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    rewards, kl = token_rewards(logps, ref, mask, torch.tensor([2.0, -1.0]), kl_coef=0.1)
+    torch.testing.assert_close(kl, torch.tensor([[0.5, 0.0, -1.0], [1.0, 0.0, 0.0]]))
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.0, 0.1 + 2.0], [-0.1 - 1.0, 0.0, 0.0]]))
+    rewards, _ = token_rewards(logps, None, mask, torch.tensor([2.0, -1.0]), kl_coef=0.1)  # no reference
+    torch.testing.assert_close(rewards, torch.tensor([[0.0, 0.0, 2.0], [-1.0, 0.0, 0.0]]))
+
+
+def test_masked_whiten():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, -50.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    out = masked_whiten(x, mask)
+    vals = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    want = (vals - vals.mean()) / vals.std()  # unbiased std, as TRL's masked_var
+    torch.testing.assert_close(out[mask.bool()], want, atol=1e-7, rtol=1e-7)
+    assert torch.all(out[:, 2] == 0)
+    kept = masked_whiten(x, mask, shift_mean=False)
+    torch.testing.assert_close(kept[mask.bool()], want + vals.mean(), atol=1e-7, rtol=1e-7)
+    with pytest.raises(ValueError, match="at least 2"):
+        masked_whiten(x, torch.tensor([[1, 0, 0], [0, 0, 0]]))
+
+
+def test_masked_whiten_across_ranks(tmp_path):
+    out = torchrun(os.path.join(HERE, "dist_ppo_whiten.py"), str(tmp_path), timeout=120)
+    assert "whiten across ranks ok" in out.stdout
+
+
+def test_policy_loss_hand_computed():
+    old = torch.zeros(1, 5, dtype=torch.float64)
+    logps = torch.log(torch.tensor([[1.5, 1.5, 0.5, 0.5, 3.0]], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0]])  # the last token is padding
+    loss, m = policy_loss(logps, old, adv, mask, clip_eps=0.2, normalizer=8.0)
+    # per token: max(-1.5, -1.2) = -1.2 (clipped); max(1.5, 1.2) = 1.5; max(-0.5, -0.8) = -0.5;
+    # max(0.5, 0.8) = 0.8 (clipped); the masked token never counts
+    assert loss.item() == pytest.approx((-1.2 + 1.5 - 0.5 + 0.8) / 8.0)
+    assert m["clip"].item() == 2 and m["tokens"].item() == 4
+    assert m["ratio"].item() == pytest.approx(4.0)
+    loss.backward()  # clipped tokens get no gradient; unclipped: d(-A r)/d logp = -A r
+    torch.testing.assert_close(logps.grad, torch.tensor([[0.0, 1.5, -0.5, 0.0, 0.0]], dtype=torch.float64) / 8.0)
+
+
+def test_value_loss_hand_computed():
+    values = torch.tensor([[1.0, 0.6, 0.45, 5.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[0.5, 0.5, 0.5, 0.0]], dtype=torch.float64)
+    returns = torch.tensor([[0.0, 1.0, 0.4, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, m = value_loss(values, old, returns, mask, clip_range_value=0.05, normalizer=3.0)
+    # token 0: clip(1.0) = 0.55: max(1.0, 0.3025) = 1.0; token 1: clip(0.6) = 0.55: max(0.16, 0.2025)
+    # = 0.2025 (clipped); token 2: 0.45 is inside [0.45, 0.55]: max(0.0025, 0.0025) = 0.0025
+    want = 0.5 * (1.0 + 0.2025 + 0.0025) / 3.0
+    assert loss.item() == pytest.approx(want)
+    assert m["vf_clip"].item() == 1
+    loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[1.0, 0.0, 0.05, 0.0]], dtype=torch.float64) / 3.0)
+
+
+def test_losses_add_up_over_micro_batches():
+    """Micro-batch losses with the whole batch's normaliser sum to the full-batch loss."""
+    g = torch.Generator().manual_seed(1)
+    logps, old, adv = (torch.randn(6, 4, generator=g, dtype=torch.float64) * 0.3 for _ in range(3))
+    mask = (torch.rand(6, 4, generator=g) > 0.2).long()
+    n = float(mask.sum())
+    full, _ = policy_loss(logps, old, adv, mask, 0.2, n)
+    parts = sum(policy_loss(logps[s], old[s], adv[s], mask[s], 0.2, n)[0] for s in (slice(0, 2), slice(2, 6)))
+    assert full.item() == pytest.approx(parts.item())
+    full, _ = value_loss(logps, old, adv, mask, 0.2, n)
+    parts = sum(value_loss(logps[s], old[s], adv[s], mask[s], 0.2, n)[0] for s in (slice(0, 3), slice(3, 6)))
+    assert full.item() == pytest.approx(parts.item())
+    assert math.isfinite(full.item())
