@@ -138,3 +138,718 @@ def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
     with torch.no_grad():
         metrics = {"vf_clip": ((loss_clipped > loss_unclipped) * mask).sum(), "value": (values * mask).sum()}
     return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# The default task: "largest digit" (the same as grpo.py's; copied so this file stands alone)
+# ----------------------------------------------------------------------------------------------
+TASK_CHARS = "0123456789="  # the tiny model's whole vocabulary (+ pad, bos, eos, unk): 15 tokens
+
+
+def default_task(num_eval, seed=0, digits=3):
+    """Prompts like "835=" whose answer is the largest digit ("8"); all 10**digits strings,
+    `num_eval` of them held out. A random model emits a digit 2/3 of the time (format reward)."""
+    prompts = ["".join(p) for p in itertools.product("0123456789", repeat=digits)]
+    random.Random(seed).shuffle(prompts)
+    rows = [{"prompt": p + "=", "answer": max(p)} for p in prompts]
+    return rows[num_eval:], rows[:num_eval]
+
+
+def format_reward(prompts, completions, answers):
+    """1 for exactly one digit (then EOS), 0.5 for a digit followed by more, else 0."""
+    return [1.0 if len(c) == 1 and c.isdigit() else 0.5 if c[:1].isdigit() else 0.0 for c in completions]
+
+
+def correct_reward(prompts, completions, answers):
+    """1 when the completion starts with the right answer."""
+    return [1.0 if c.strip().startswith(a) and a else 0.0 for c, a in zip(completions, answers)]
+
+
+def exact_match_reward(prompts, completions, answers):
+    """For JSONL data: 1 when the completion's last non-empty line equals the answer."""
+    lines = [[ln.strip() for ln in c.strip().splitlines() if ln.strip()] for c in completions]
+    return [1.0 if ln and ln[-1] == str(a).strip() else 0.0 for ln, a in zip(lines, answers)]
+
+
+def load_reward_funcs(spec):
+    """'module:function,module:function' (or a bare name defined in this file) -> callables."""
+    import importlib
+    funcs = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        module, _, name = item.rpartition(":")
+        try:
+            funcs.append(getattr(importlib.import_module(module) if module else sys.modules[__name__], name))
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--reward_funcs {item!r}: cannot import ({e}); write module:function, "
+                             f"with the module on PYTHONPATH") from e
+    return funcs
+
+
+def load_jsonl(path, num_eval, seed):
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    bad = [i for i, r in enumerate(rows) if "prompt" not in r]
+    if bad:
+        raise ValueError(f"{path}: lines {bad[:5]} have no \"prompt\" key; "
+                         "each line is {\"prompt\": ..., \"answer\": ...}")
+    random.Random(seed).shuffle(rows)
+    if len(rows) <= num_eval:
+        raise ValueError(f"{path} has {len(rows)} rows, not more than num_eval_prompts={num_eval}; lower it")
+    return rows[num_eval:], rows[:num_eval]
+
+
+def batch_rows(rows, step, n, seed):
+    """The n prompts of global step `step`: a fixed seeded order per epoch, so resume sees the same data."""
+    out, start = [], step * n
+    while len(out) < n:
+        epoch, offset = divmod(start + len(out), len(rows))
+        order = list(range(len(rows)))
+        random.Random(seed * 1000003 + epoch).shuffle(order)
+        out += [rows[i] for i in order[offset:offset + n - len(out)]]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Args:
+    model: str = field(default="", metadata={"help": "actor hub id or path; empty: tiny model from scratch"})
+    data: str = field(default="", metadata={"help": "JSONL of {prompt, answer}; empty: the largest-digit task"})
+    reward_model: str = field(default="", metadata={"help": "sequence-classification reward model (1 label, the "
+                                                            "actor's tokenizer); empty: rule-based reward_funcs"})
+    reward_funcs: str = field(default="", metadata={"help": "module:function,... each (prompts, completions, "
+                                                            "answers) -> list[float]; empty: the task's own"})
+    reward_weights: str = field(default="", metadata={"help": "one weight per reward; empty: 0.25,0.75 (task) or 1s"})
+    run_dir: str = field(default="runs/ppo", metadata={"help": "metrics.jsonl, args, checkpoints, final model"})
+    ds_config: str = field(default="configs/zero3.json", metadata={"help": "DeepSpeed JSON for actor and critic"})
+    seed: int = field(default=0, metadata={"help": "data order, sampling and (default task) model init"})
+    # rollout
+    prompts_per_rank: int = field(default=32, metadata={"help": "prompts per rank per step"})
+    num_generations: int = field(default=4, metadata={"help": "completions per prompt"})
+    max_prompt_length: int = field(default=512, metadata={"help": "prompt tokens kept (from the left end)"})
+    max_completion_length: int = field(default=2, metadata={"help": "C: new tokens per completion"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (log-probs use it too)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
+    gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3: gather to generate (fast); "
+                                                                        "False: sharded, layer by layer (fits)"})
+    generation_batch_size: int = field(default=256, metadata={"help": "HF generate: sequences per call"})
+    # rewards, advantages, losses and the update
+    kl_coef: float = field(default=0.01, metadata={"help": "per-token KL penalty in the reward; 0 builds no "
+                                                           "reference model"})
+    gamma: float = field(default=1.0, metadata={"help": "discount"})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda"})
+    cliprange: float = field(default=0.2, metadata={"help": "policy ratio clipped to [1 - c, 1 + c]"})
+    cliprange_value: float = field(default=0.2, metadata={"help": "value clipped to old value +- this"})
+    ppo_epochs: int = field(default=2, metadata={"help": "passes over each rollout batch"})
+    num_mini_batches: int = field(default=1, metadata={"help": "optimizer steps per pass (per model)"})
+    learning_rate: float = field(default=2e-3, metadata={"help": "actor LR (from scratch; ~1e-6 pretrained)"})
+    critic_learning_rate: float = field(default=2e-3, metadata={"help": "critic LR (~9e-6 pretrained)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
+    micro_train_batch_size: int = field(default=64, metadata={"help": "sequences per micro-batch (forward/backward)"})
+    # memory
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
+    frozen_offload: bool = field(default=False, metadata={"help": "ZeRO-3: reference and reward model shards "
+                                                                  "live in CPU memory"})
+    packing: bool = field(default=False, metadata={"help": "micro-batches as one row, no padding"})
+    lora_r: int = field(default=0, metadata={"help": "> 0: LoRA adapters of this rank on actor and critic (peft)"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA scaling numerator"})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "peft target_modules"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"})
+    max_steps: int = field(default=60, metadata={"help": "training steps (one rollout batch each)"})
+    # evaluation, logging, saving
+    eval_steps: int = field(default=20, metadata={"help": "held-out reward every this many steps (and at start/end)"})
+    num_eval_prompts: int = field(default=200, metadata={"help": "held-out prompts, one sample each; 0: no eval"})
+    save_steps: int = field(default=0, metadata={"help": "DeepSpeed checkpoints every this many steps; 0: none"})
+    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir"})
+    save_model: bool = field(default=True, metadata={"help": "write the final HF actor to <run_dir>/final"})
+    report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
+
+
+def parse_args(argv=None):
+    from transformers import HfArgumentParser
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(argv)
+    if args.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
+        raise SystemExit("--attn_implementation: sdpa, eager or flash_attention_2")
+    if args.report_to not in ("none", "wandb"):
+        raise SystemExit("--report_to: none or wandb")
+    if min(args.prompts_per_rank, args.num_generations, args.ppo_epochs, args.num_mini_batches,
+           args.micro_train_batch_size) < 1:
+        raise SystemExit("prompts_per_rank, num_generations, ppo_epochs, num_mini_batches and "
+                         "micro_train_batch_size must be >= 1")
+    if args.reward_model and args.reward_funcs:
+        raise SystemExit("give --reward_model or --reward_funcs, not both")
+    if args.lora_r:
+        try:
+            import peft  # noqa: F401  (optional: only LoRA runs need it)
+        except ImportError:
+            raise SystemExit("--lora_r needs peft: pip install peft") from None
+    args.funcs = [] if args.reward_model else load_reward_funcs(
+        args.reward_funcs or ("format_reward,correct_reward" if not args.data else "exact_match_reward"))
+    weights = args.reward_weights or ("0.25,0.75" if not (args.data or args.reward_funcs or args.reward_model) else "")
+    args.weights = [float(w) for w in weights.split(",")] if weights else [1.0] * len(args.funcs)
+    if len(args.weights) != len(args.funcs):
+        raise SystemExit(f"--reward_weights has {len(args.weights)} values for {len(args.funcs)} reward functions")
+    args.batch_size = args.prompts_per_rank * args.num_generations  # completions per rank per step
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout pieces: tokenise, generate, score
+# ----------------------------------------------------------------------------------------------
+def encode_prompts(tokenizer, rows, max_prompt_length):
+    """Token-id lists (no padding); the chat template is applied when the tokenizer has one."""
+    if tokenizer.chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                               add_generation_prompt=True) for r in rows]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer([r["prompt"] for r in rows])["input_ids"]
+    return [i[-max_prompt_length:] for i in ids]
+
+
+def generate(engine, tokenizer, prompt_ids, args, num_generations):
+    """G completions of each prompt, prompt-major, from the actor (HF generate)."""
+    from generation import generate_hf, unwrap_for_generation
+    with unwrap_for_generation(engine, gather=args.gather_for_generation) as model:
+        return generate_hf(model, prompt_ids, num_generations=num_generations, batch_size=args.generation_batch_size,
+                           max_new_tokens=args.max_completion_length, temperature=args.temperature,
+                           top_p=args.top_p, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+
+
+def score(args, rows, completions, num_generations, batch, plan, reward_model, device):
+    """Scores (B,) and, for rule-based rewards, each function's raw rewards {name: (B,)}."""
+    if reward_model is not None:
+        out = torch.zeros(batch["input_ids"].shape[0])  # (B,)
+        with torch.no_grad():
+            for idx in plan:  # the reward model reads the rightmost non-pad token (the EOS or the last one)
+                mb = micro_slice(batch, plan[0] if idx is None else idx)
+                am = mb["attention_mask"].to(device)  # (b, t)
+                logits = reward_model(input_ids=mb["input_ids"].to(device), attention_mask=am,
+                                      position_ids=position_ids(am), use_cache=False).logits  # (b, 1)
+                if idx is not None:
+                    out[idx] = logits[:, 0].float().cpu()
+        return out, {}
+    prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
+    answers = [r.get("answer", "") for r in rows for _ in range(num_generations)]
+    per_func = {}
+    for f in args.funcs:
+        values = f(prompts, completions, answers)
+        if len(values) != len(completions):
+            raise ValueError(f"reward {f.__name__} returned {len(values)} values for {len(completions)} completions")
+        per_func[f.__name__] = torch.tensor([float(v) for v in values])  # (B,)
+    total = sum(w * r for w, r in zip(args.weights, per_func.values()))  # (B,)
+    return total, per_func
+
+
+def make_batch(prompt_ids, gens, pad_id):
+    """Left-padded prompts + right-padded completions: input_ids, attention_mask (B, P + C)."""
+    G = gens.completion_ids.shape[0] // len(prompt_ids)
+    rows = [p for p in prompt_ids for _ in range(G)]
+    P = max(len(p) for p in rows)
+    prompt = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in rows])  # (B, P)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows])  # (B, P)
+    return {"input_ids": torch.cat([prompt, gens.completion_ids], 1),  # (B, T)
+            "attention_mask": torch.cat([prompt_mask, gens.completion_mask], 1),  # (B, T)
+            "completion_mask": gens.completion_mask}  # (B, C)
+
+
+# ----------------------------------------------------------------------------------------------
+# The critic, packing, and the forwards that score a micro-batch (padded or packed)
+# ----------------------------------------------------------------------------------------------
+class Critic(torch.nn.Module):
+    """A causal LM's body + a scalar value head: forward -> (B, T) fp32 values, one per position."""
+
+    def __init__(self, body, value_head):
+        super().__init__()
+        self.body, self.value_head = body, value_head
+        self.config = body.config
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False).last_hidden_state  # (B, T, H)
+        return self.value_head(hidden).squeeze(-1).float()  # (B, T)
+
+
+def build_critic(path, from_reward_model, dtype, attn_implementation):
+    """From a reward model: its body and its score head. From a causal LM: its body and a zero
+    value head (values start at 0, the body's features are trained by the value loss)."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+    if from_reward_model:
+        rm = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                                attn_implementation=attn_implementation)
+        return Critic(getattr(rm, rm.base_model_prefix), rm.score)
+    body = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    head = torch.nn.Linear(body.config.hidden_size, 1, bias=False, dtype=dtype)
+    torch.nn.init.zeros_(head.weight)
+    return Critic(body, head)
+
+
+def position_ids(attention_mask):
+    """Positions that skip left padding, as HF generate and logprobs.py assign them. (B, T) -> (B, T)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+
+
+def pack(mb):
+    """One row without padding: the micro-batch's sequences back to back, positions restarting at 0 for
+    each (transformers then masks attention per sequence). Returns input_ids (1, N), position_ids
+    (1, N) and `where` (M,): the positions whose next token is a completion token, in row-major
+    order of the (b, c) completion mask."""
+    ids, pos, where, offset = [], [], [], 0
+    for row, am, cm in zip(mb["input_ids"], mb["attention_mask"], mb["completion_mask"]):
+        seq = row[am.bool()]  # (L,) prompt + completion, no padding
+        n_c, L = int(cm.sum()), len(seq)
+        ids.append(seq)
+        pos.append(torch.arange(L))
+        where.append(torch.arange(offset + L - n_c - 1, offset + L - 1))  # position t predicts token t + 1
+        offset += L
+    return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(where)
+
+
+def packed_logps(model, ids, pos, where, temperature, return_entropy=False):
+    """logprobs.model_logps for a packed row: (M,) log-probs (and entropies) of the tokens after
+    `where`, through fused_logps inside lm_head's forward (so ZeRO-3 gathers lm_head as usual)."""
+    from logprobs import fused_logps
+    module = getattr(model, "module", model)  # DeepSpeed engine -> its module
+    lm_head = module.get_output_embeddings()
+    targets = ids[0, where + 1]  # (M,)
+
+    def fused_forward(hidden_states):  # (1, N, H): logits_to_keep=0 keeps every position
+        out = fused_logps(hidden_states[0, where], lm_head.weight, targets, lm_head.bias, temperature,
+                          return_entropy=return_entropy)  # (M,) or ((M,), (M,))
+        return torch.stack(out, -1) if return_entropy else out  # (M, 2) or (M,): one tensor for the hooks
+
+    saved = lm_head.__dict__.get("forward")
+    lm_head.forward = fused_forward
+    try:
+        out = model(input_ids=ids, position_ids=pos, attention_mask=None, logits_to_keep=0,
+                    use_cache=False).logits  # (M,) or (M, 2)
+    finally:
+        if saved is None:
+            del lm_head.forward
+        else:
+            lm_head.forward = saved
+    return (out[:, 0], out[:, 1]) if return_entropy else out
+
+
+def forward_logps(model, mb, temperature, packing, device, return_entropy=False):
+    """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed."""
+    from logprobs import model_logps
+    if not packing:
+        return model_logps(model, mb["input_ids"].to(device), mb["attention_mask"].to(device), mb["logits_to_keep"],
+                           temperature=temperature, return_entropy=return_entropy)  # (b, c)
+    ids, pos, where = pack(mb)
+    out = packed_logps(model, ids.to(device), pos.to(device), where.to(device), temperature, return_entropy)
+    return tuple(unpack(o, mb["completion_mask"]) for o in out) if return_entropy else unpack(out, mb["completion_mask"])
+
+
+def forward_values(critic, mb, packing, device):
+    """(b, c) values of the states before each completion token, padded or packed."""
+    if not packing:
+        am = mb["attention_mask"].to(device)  # (b, t)
+        values = critic(input_ids=mb["input_ids"].to(device), attention_mask=am, position_ids=position_ids(am))
+        c = mb["logits_to_keep"]
+        return values[:, -c - 1:-1]  # (b, c)
+    ids, pos, where = pack(mb)
+    values = critic(input_ids=ids.to(device), attention_mask=None, position_ids=pos.to(device))  # (1, N)
+    return unpack(values[0, where.to(device)], mb["completion_mask"])  # (b, c)
+
+
+def unpack(flat, completion_mask):
+    """(M,) in row-major order of the mask -> (b, c), 0 where the mask is 0 (differentiable)."""
+    out = flat.new_zeros(completion_mask.shape)  # (b, c)
+    return out.masked_scatter(completion_mask.bool().to(flat.device), flat)
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-batches, rollout scoring and the update
+# ----------------------------------------------------------------------------------------------
+def plan_micro_batches(batch, micro_train_batch_size):
+    """Index tensors over this rank's B sequences, the same number on every rank (ZeRO-3 forwards
+    and backwards are collectives); a rank short of micro-batches gets None (a zero-weight repeat)."""
+    import torch.distributed as dist
+    plan = list(torch.arange(batch["input_ids"].shape[0]).split(micro_train_batch_size))
+    n = torch.tensor(len(plan), device=comm_device())
+    if dist.is_initialized():
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return plan + [None] * (int(n) - len(plan))
+
+
+def micro_slice(batch, idx):
+    """Rows `idx`, with all-padding columns cut: left prompt padding and completion tail."""
+    C = batch["completion_mask"].shape[1]
+    am = batch["attention_mask"][idx]  # (b, T)
+    c = max(int(batch["completion_mask"][idx].sum(1).max()), 1)
+    start = int(am[:, :-C].any(0).float().argmax()) if am.shape[1] > C else 0
+    end = am.shape[1] - C + c
+    out = {"input_ids": batch["input_ids"][idx, start:end], "attention_mask": am[:, start:end],  # (b, t)
+           "completion_mask": batch["completion_mask"][idx, :c], "logits_to_keep": c}  # (b, c)
+    for key in ("old_logps", "values", "advantages", "returns"):
+        value = batch.get(key)
+        out[key] = None if value is None else value[idx, :c]
+    return out
+
+
+@torch.no_grad()
+def rollout_forwards(scorers, batch, plan):
+    """{name: (B, C)} from each scorer fn(micro-batch) -> (b, c), micro-batch by micro-batch with the
+    update's slicing (same numerics). Zero-weight repeats keep ZeRO-3's collectives in step."""
+    out = {name: torch.zeros(batch["completion_mask"].shape, dtype=torch.float32) for name in scorers}  # (B, C)
+    for idx in plan:
+        mb = micro_slice(batch, plan[0] if idx is None else idx)
+        for name, fn in scorers.items():
+            v = fn(mb)  # (b, c)
+            if idx is not None:
+                out[name][idx, :mb["logits_to_keep"]] = v.float().cpu()
+    return out
+
+
+def train_on_batch(actor, critic, batch, plan, args, device):
+    """ppo_epochs passes; each pass: num_mini_batches groups of micro-batches, forward/backward each
+    (actor: clipped policy loss, critic: clipped value loss), then ONE optimizer step per model.
+
+    Each micro-batch loss is divided by its mini-batch's token count over all ranks. DeepSpeed
+    divides each loss by gradient_accumulation_steps and averages gradients over ranks: we turn
+    off the first and multiply by the world size, so each step applies exactly the gradient of the
+    mini-batch loss, however it is split (the same scheme as grpo.py's train_on_batch).
+    """
+    world = actor.dp_world_size
+    per = math.ceil(len(plan) / args.num_mini_batches)
+    groups = [plan[i:i + per] for i in range(0, len(plan), per)]  # the same on every rank
+    sums, n_updates = {}, args.ppo_epochs * len(groups)
+    for _ in range(args.ppo_epochs):
+        for group in groups:
+            (normalizer,) = all_sum([sum(float(batch["completion_mask"][i].sum()) for i in group if i is not None)])
+            normalizer = max(normalizer, 1.0)
+            for i, idx in enumerate(group):
+                mb = micro_slice(batch, group[0] if idx is None else idx)
+                mask = mb["completion_mask"].to(device)  # (b, c)
+                to = lambda t: t.to(device)  # noqa: E731
+                weight = 0.0 if idx is None else 1.0  # a padding micro-batch only keeps the collectives in step
+                boundary = i == len(group) - 1  # we decide where the step is
+                # through the engines' forward: ZeRO-3 counts micro-steps there (see grpo.py)
+                actor.set_gradient_accumulation_boundary(boundary)
+                logps, entropy = forward_logps(actor, mb, args.temperature, args.packing, device,
+                                               return_entropy=True)  # (b, c)
+                pl, pm = policy_loss(logps, to(mb["old_logps"]), to(mb["advantages"]), mask, args.cliprange,
+                                     normalizer)
+                actor.backward(pl * weight * world, scale_wrt_gas=False)
+                critic.set_gradient_accumulation_boundary(boundary)
+                values = forward_values(critic, mb, args.packing, device)  # (b, c)
+                vl, vm = value_loss(values, to(mb["values"]), to(mb["returns"]), mask, args.cliprange_value,
+                                    normalizer)
+                critic.backward(vl * weight * world, scale_wrt_gas=False)
+                if idx is not None:
+                    metrics = {**pm, **vm, "entropy": (entropy.detach() * mask).sum(), "policy_loss": pl.detach() / n_updates,
+                               "value_loss": vl.detach() / n_updates}  # summed: the mean mini-batch loss
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+            actor.step()
+            critic.step()
+    return sums
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation, logging helpers
+# ----------------------------------------------------------------------------------------------
+def peak_memory_gb(device):
+    """Peak since the last call, then reset: GPU memory allocated, or on CPU the process's resident set
+    (Linux VmHWM, reset through /proc/self/clear_refs; elsewhere the never-reset ru_maxrss)."""
+    if device.type == "cuda":
+        gb = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+        return gb
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the high-water mark to the current RSS
+        return kib / 2**20
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux, bytes on macOS
+
+
+def comm_device():
+    """Where a collective's tensors must live: the current GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def all_sum(values):
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
+    """Held-out mean score and accuracy (rule-based rewards only): one sampled completion per prompt."""
+    if not rows:
+        return float("nan"), float("nan")
+    mine = rows[rank::world]
+    torch.manual_seed(args.seed + 12345 + rank)  # the same eval samples at every point of a run
+    prompt_ids = encode_prompts(tokenizer, mine, args.max_prompt_length)
+    gens = generate(engine, tokenizer, prompt_ids, args, 1)
+    completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
+    batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
+    total, per_func = score(args, mine, completions, 1, batch, plan_micro_batches(batch, args.micro_train_batch_size),
+                            reward_model, device)
+    solved = torch.stack([r >= 1 for r in per_func.values()]).all(0) if per_func else torch.zeros(len(mine))  # (B,)
+    reward_sum, solved_sum, n = all_sum([total.sum().item(), solved.sum().item(), len(mine)])
+    return reward_sum / n, solved_sum / n
+
+
+def plot_curves(run_dir):
+    """score, value loss and KL per step from metrics.jsonl to curves.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
+    for ax, key, label, style in ((axes[0], "reward", "train score", "-"), (axes[0], "eval/reward", "held-out score",
+                                  "o-"), (axes[1], "value_loss", "value loss", "-"), (axes[2], "kl", "KL to reference",
+                                                                                      "-")):
+        have = [r for r in rows if key in r]
+        ax.plot([r["step"] for r in have], [r[key] for r in have], style, label=label)
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+    import deepspeed
+    import torch.distributed as dist
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from zero3_utils import frozen_engine, gathered, load_ds_config, save_hf
+
+    # 1. setup --------------------------------------------------------------------------------
+    import warnings  # DeepSpeed 0.19 calls c10d APIs that torch 2.13 deprecates, on every collective
+    warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed", category=FutureWarning)
+    cuda = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    os.makedirs(args.run_dir, exist_ok=True)
+
+    # 2. data and models ----------------------------------------------------------------------
+    if args.data:
+        train_rows, eval_rows = load_jsonl(args.data, args.num_eval_prompts, args.seed)
+    else:
+        train_rows, eval_rows = default_task(args.num_eval_prompts, args.seed)
+    model_path = args.model
+    if not model_path:  # the default task trains a tiny model from scratch, vocabulary = its characters
+        model_path = os.path.join(args.run_dir, "model")
+        if rank == 0 and not os.path.exists(os.path.join(model_path, "config.json")):
+            from tiny_models import build_tiny
+            build_tiny(model_path, hidden_size=128, num_layers=2, chars=TASK_CHARS, seed=args.seed)
+        dist.barrier()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if args.reward_model and AutoTokenizer.from_pretrained(args.reward_model).get_vocab() != tokenizer.get_vocab():
+        raise SystemExit(f"--reward_model {args.reward_model} has another tokenizer than the actor; this loop "
+                         "passes token ids as they are: use a reward model trained on the actor's tokenizer")
+    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
+    attn = dict(dtype=dtype, attn_implementation=args.attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
+    critic = build_critic(args.reward_model or model_path, bool(args.reward_model), **attn)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        critic.body.gradient_checkpointing_enable()
+    if args.lora_r:  # adapters on actor and critic body; the value head stays fully trained
+        from peft import LoraConfig, get_peft_model
+        def lora(task):
+            return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type=task,
+                              target_modules=args.lora_target_modules)
+        if args.gradient_checkpointing:  # frozen embeddings: checkpointed layers still need a grad input
+            model.enable_input_require_grads()
+            critic.body.enable_input_require_grads()
+        model = get_peft_model(model, lora("CAUSAL_LM"))
+        critic.body = get_peft_model(critic.body, lora("FEATURE_EXTRACTION"))
+
+    micro = min(args.micro_train_batch_size, args.batch_size)
+    with open(args.ds_config) as f:
+        raw = json.load(f)
+    stage = raw.get("zero_optimization", {}).get("stage", 0)
+    if args.frozen_offload and stage != 3:
+        raise SystemExit(f"--frozen_offload needs ZeRO-3 ({args.ds_config} has stage {stage})")
+
+    def ds_config(lr):  # one config per trained model: only the learning rate differs
+        fill = {"train_micro_batch_size_per_gpu": micro,
+                "gradient_accumulation_steps": math.ceil(args.batch_size / micro / args.num_mini_batches),
+                "gradient_clipping": args.max_grad_norm, "bf16.enabled": dtype == torch.bfloat16,
+                "optimizer.params.lr": lr, "optimizer.params.weight_decay": args.weight_decay}
+        fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}  # only sections the JSON has
+        return load_ds_config(raw, world_size=world, hidden_size=model.config.hidden_size, **fill)
+
+    def trained(module, lr):
+        engine, *_ = deepspeed.initialize(model=module, config=ds_config(lr),
+                                          model_parameters=[p for p in module.parameters() if p.requires_grad])
+        return engine
+
+    def frozen(module):  # sharded like the trained models under ZeRO-3, else resident on the device
+        return frozen_engine(module, ds_config(0.0), offload=args.frozen_offload).module if stage == 3 \
+            else module.to(device).eval().requires_grad_(False)
+
+    engine, critic_engine = trained(model, args.learning_rate), trained(critic, args.critic_learning_rate)
+    ref = None
+    if args.kl_coef > 0 and not args.lora_r:  # with LoRA the reference is the actor with adapters off
+        ref = frozen(AutoModelForCausalLM.from_pretrained(model_path, **attn))
+    reward_model = None
+    if args.reward_model:
+        reward_model = frozen(AutoModelForSequenceClassification.from_pretrained(args.reward_model, num_labels=1,
+                                                                                 **attn))
+
+    start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
+    if args.resume:
+        if not os.path.exists(os.path.join(ckpt_dir, "actor", "latest")):
+            raise SystemExit(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
+        _, client = engine.load_checkpoint(os.path.join(ckpt_dir, "actor"))
+        critic_engine.load_checkpoint(os.path.join(ckpt_dir, "critic"))
+        start_step = client["step"]
+        say(f"resumed from {ckpt_dir} at step {start_step}")
+    if rank == 0:  # what ran: the script itself and the resolved arguments
+        with open(__file__) as src, open(os.path.join(args.run_dir, "ppo.py"), "w") as dst:
+            dst.write(src.read())
+        with open(os.path.join(args.run_dir, "args.json"), "w") as f:
+            json.dump({**{k: v for k, v in vars(args).items() if k != "funcs"}, "world_size": world,
+                       "ds_config_resolved": ds_config(args.learning_rate)}, f, indent=1)
+    wandb = None
+    if args.report_to == "wandb" and rank == 0:
+        import wandb
+        os.environ.setdefault("WANDB_MODE", "offline")
+        wandb.init(project="lean-rl", dir=args.run_dir, config={k: v for k, v in vars(args).items() if k != "funcs"})
+    metrics_file = open(os.path.join(args.run_dir, "metrics.jsonl"), "a") if rank == 0 else None
+
+    def record(row):
+        if rank == 0:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            if wandb:
+                wandb.log(row, step=row["step"])
+
+    def held_out(step, when):
+        reward, acc = evaluate(engine, reward_model, tokenizer, eval_rows, args, rank, world, device)
+        say(f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} prompts)")
+        record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
+        return reward
+
+    def ref_logps(mb):  # the frozen reference, or the actor itself with its LoRA adapters switched off
+        if ref is not None:
+            return forward_logps(ref, mb, args.temperature, args.packing, device)
+        with engine.module.disable_adapter():
+            return forward_logps(engine.module, mb, args.temperature, args.packing, device)
+
+    scorers = {"old_logps": lambda mb: forward_logps(engine.module, mb, args.temperature, args.packing, device),
+               "values": lambda mb: forward_values(critic_engine.module, mb, args.packing, device)}
+    if args.kl_coef > 0:
+        scorers["ref_logps"] = ref_logps
+
+    t_start = time.time()
+    first = held_out(start_step, f"step {start_step}") if args.num_eval_prompts else float("nan")
+    G, N = args.num_generations, args.prompts_per_rank
+    bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="ppo")
+    for step in bar:
+        t0, mem = time.time(), {}
+        torch.manual_seed(args.seed * 7919 + step * world + rank)  # sampling replays exactly on resume
+
+        # 3. rollout and scores ----------------------------------------------------------------
+        rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N:(rank + 1) * N]
+        prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length)
+        gens = generate(engine, tokenizer, prompt_ids, args, G)
+        completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
+        batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
+        plan = plan_micro_batches(batch, micro)
+        scores, per_func = score(args, rows, completions, G, batch, plan, reward_model, device)  # (B,)
+        mem["rollout"], t_rollout = peak_memory_gb(device), time.time() - t0
+
+        # 4. old log-probs, reference log-probs, values: no grad, micro-batch by micro-batch -------
+        batch.update(rollout_forwards(scorers, batch, plan))
+        mem["logprobs"] = peak_memory_gb(device)
+
+        # 5. per-token rewards, GAE, whitened advantages ------------------------------------------
+        mask = batch["completion_mask"]  # (B, C)
+        rewards, kl = token_rewards(batch["old_logps"], batch.get("ref_logps"), mask, scores, args.kl_coef)  # (B, C)
+        advantages, batch["returns"] = gae(rewards, batch["values"] * mask, mask, args.gamma, args.lam)  # (B, C)
+        batch["advantages"] = masked_whiten(advantages.to(comm_device()), mask.to(comm_device())).cpu()  # (B, C)
+
+        # 6. update: ppo_epochs x mini-batches, micro-batches with accumulation ----------------------
+        t1 = time.time()
+        sums = train_on_batch(engine, critic_engine, batch, plan, args, device)
+        mem["update"], t_update = peak_memory_gb(device), time.time() - t1
+
+        # 7. logging and saving --------------------------------------------------------------
+        keys = sorted(sums)
+        totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
+        rollout = all_sum([(kl * mask).sum().item(), mask.sum().item(), (batch["values"] * mask).sum().item(),
+                           (batch["returns"] * mask).sum().item()])
+        gathered_rows = [torch.zeros(len(scores), 2 + len(per_func)) for _ in range(world)]
+        dist.all_gather(gathered_rows, torch.stack([scores, mask.sum(1).float(), *per_func.values()], 1))
+        allr = torch.cat(gathered_rows)  # (world * B, 2 + F): score, completion length, each function
+        dt = time.time() - t0
+        row = {"step": step + 1, "reward": allr[:, 0].mean().item(), "reward_std": allr[:, 0].std().item(),
+               "kl": rollout[0] / rollout[1], "value_mean": rollout[2] / rollout[1],
+               "return_mean": rollout[3] / rollout[1],
+               "policy_loss": totals["policy_loss"], "value_loss": totals["value_loss"],
+               **{k: totals[k] / totals["tokens"] for k in ("entropy", "ratio", "approx_kl", "clip", "vf_clip")},
+               "completion_len": allr[:, 1].mean().item(), "lr": engine.get_lr()[0],
+               "tokens_per_s": allr[:, 1].sum().item() / dt, "step_s": dt, "rollout_s": t_rollout,
+               "update_s": t_update, "elapsed_s": time.time() - t_start,
+               **{f"peak_mem_gb/{k}": v for k, v in mem.items()},
+               **{f"rewards/{name}/mean": allr[:, 2 + j].mean().item() for j, name in enumerate(per_func)}}
+        if per_func:
+            row["accuracy"] = (allr[:, 2:] >= 1).all(1).float().mean().item()
+        record(row)
+        bar.set_postfix(reward=f"{row['reward']:.3f}", vf=f"{row['value_loss']:.3f}")
+        if rank == 0:
+            bar.write(f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} kl {row['kl']:.4f} "
+                      f"value_loss {row['value_loss']:.4f} entropy {row['entropy']:.2f} clip {row['clip']:.3f} "
+                      f"{dt:.2f}s")
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            for name, e in (("actor", engine), ("critic", critic_engine)):
+                e.save_checkpoint(os.path.join(ckpt_dir, name), tag=f"step{step + 1}", client_state={"step": step + 1})
+        if args.eval_steps and eval_rows and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
+            held_out(step + 1, f"step {step + 1}")
+
+    bar.close()
+    if args.num_eval_prompts:
+        last = held_out(args.max_steps, "end")
+        say(f"held-out reward: start {first:.3f} -> end {last:.3f} in {time.time() - t_start:.0f}s "
+            f"({args.max_steps - start_step} steps)")
+    if args.save_model:
+        final = os.path.join(args.run_dir, "final")
+        if args.lora_r:  # the adapters only (load them onto the base model with peft)
+            with gathered(engine.module):
+                if rank == 0:
+                    engine.module.save_pretrained(final)
+                    tokenizer.save_pretrained(final)
+            dist.barrier()
+        else:
+            save_hf(engine, tokenizer, final)
+    if rank == 0:
+        metrics_file.close()
+        plot_curves(args.run_dir)
+        if wandb:
+            wandb.finish()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
