@@ -8,7 +8,7 @@ Methods (each in its own subprocess, so one method's peak never hides another's)
   naive                  logits = h @ W.T (B, T, V); log_softmax; gather
   per_token_logps        the upstream fix: one sequence at a time (batch_size=1), K + 1 logits
   selective_log_softmax  full logits, then gathered logit - logsumexp (no log_softmax copy)
-  fused_logps            this project: lm_head + log-softmax + gather fused per (C, V) tile
+  fused_logps            this project: lm_head + online log-softmax + gather fused per (C, v) tile
   liger                  Liger-Kernel 0.8.5 LigerFusedLinearPPOBase.chunk_forward, the peer to
                          beat (installed with --no-deps into bench/.liger, off the project's venv)
 
@@ -49,7 +49,7 @@ def reset_peak():
         f.write("5")  # 5 resets VmHWM to the current RSS (Linux >= 4.0)
 
 
-def worker(method, B, T, H, V, device, chunk_size):
+def worker(method, B, T, H, V, device, chunk_size, vocab_chunk_size):
     """Runs in a subprocess: build inputs, warm up, measure one forward + backward."""
     import torch
 
@@ -94,7 +94,7 @@ def worker(method, B, T, H, V, device, chunk_size):
         elif method == "selective_log_softmax":
             logp = selective_log_softmax(h @ weight.t(), targets)
         elif method == "fused_logps":
-            logp = fused_logps(h, weight, targets, chunk_size=chunk_size)
+            logp = fused_logps(h, weight, targets, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
         elif method == "liger":
             logp = LigerFusedLinearPPOBase.chunk_forward(h, weight, targets)
         (logp.float() * upstream).sum().backward()
@@ -139,7 +139,8 @@ def main():
     ap.add_argument("--hidden", type=int, default=896, help="H (Qwen2.5-0.5B: 896)")
     ap.add_argument("--vocab", type=int, default=151936, help="V (Qwen2.5: 151936)")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--chunk_size", type=int, default=None, help="fused_logps rows per tile (default: auto)")
+    ap.add_argument("--chunk_size", type=int, default=None, help="fused_logps rows per tile (default: its default)")
+    ap.add_argument("--vocab_chunk_size", type=int, default=None, help="fused_logps vocabulary entries per tile")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (V=4096, 2x64): a smoke run in seconds")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "logprobs_memory.json"))
@@ -158,7 +159,7 @@ def main():
 
     if a.worker:  # inside the subprocess
         B, T = map(int, a.shapes.split("x"))
-        print(json.dumps(worker(a.worker, B, T, a.hidden, a.vocab, a.device, a.chunk_size)))
+        print(json.dumps(worker(a.worker, B, T, a.hidden, a.vocab, a.device, a.chunk_size, a.vocab_chunk_size)))
         return
 
     if "liger" in methods:
@@ -168,8 +169,9 @@ def main():
         for m in methods:
             cmd = [sys.executable, __file__, "--worker", m, "--shapes", shape, "--hidden", str(a.hidden),
                    "--vocab", str(a.vocab), "--device", a.device]
-            if a.chunk_size:
-                cmd += ["--chunk_size", str(a.chunk_size)]
+            for knob in ("chunk_size", "vocab_chunk_size"):
+                if getattr(a, knob):
+                    cmd += [f"--{knob}", str(getattr(a, knob))]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(f"{m} {shape}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}", flush=True)
