@@ -5,7 +5,7 @@
 - ZeRO-2, vLLM generation with weight sync, reference model (beta > 0), num_iterations 2,
   truncated importance sampling, loss_type grpo.
 - Two nodes on loopback (two launches with NNODES=2), ZeRO-3 sharded generation, token-budget
-  micro-batches, loss_type dr_grpo.
+  micro-batches, loss_type dr_grpo, JSONL data with reward functions given as module:function.
 """
 
 import json
@@ -82,13 +82,18 @@ def test_zero2_vllm_reference_iterations(tmp_path):
     assert "held-out reward: start" in out
 
 
-def test_two_nodes_loopback_sharded_token_budget(tmp_path):
+def test_two_nodes_loopback_sharded_token_budget_jsonl(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i:02d}=", "answer": str(i % 10)}) + "\n" for i in range(40)))
     env = {"RUN_DIR": str(tmp_path / "r"), "NNODES": "2", "NPROC": "1", "MASTER_PORT": str(free_port())}
     args = ["--max_steps", "2", "--gather_for_generation", "False", "--max_tokens_per_microbatch", "20",
-            "--loss_type", "dr_grpo", "--save_model", "False"]
+            "--loss_type", "dr_grpo", "--save_model", "False", "--data", str(data),
+            "--reward_funcs", "grpo:correct_reward,grpo:format_reward", "--reward_weights", "1,0.5"]
     procs = [run_sh(*args, env={**env, "NODE_RANK": str(n)}, wait=False) for n in (0, 1)]
     outs = [finish(p) for p in procs]
     rows = train_rows(tmp_path / "r")
     assert [r["step"] for r in rows] == [1, 2]
     assert "held-out reward: start" in outs[0]
     assert json.load(open(tmp_path / "r" / "args.json"))["world_size"] == 2
+    assert {"rewards/correct_reward/mean", "rewards/format_reward/mean"} <= set(rows[0])
+    assert 0 <= rows[0]["reward"] <= 1.5
