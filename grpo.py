@@ -44,9 +44,7 @@ import torch
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
 
 
-# ----------------------------------------------------------------------------------------------
-# The algorithm: advantages and loss (pure functions, unit-tested against naive loops)
-# ----------------------------------------------------------------------------------------------
+# ---- The algorithm: advantages and loss (pure functions, unit-tested against naive loops) ----
 def group_advantages(rewards, num_generations, scale=True, eps=1e-4):
     """(r - group mean) / (group std + eps) for consecutive groups of `num_generations`.
 
@@ -123,9 +121,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, epsilon_lo
     return loss, metrics
 
 
-# ----------------------------------------------------------------------------------------------
-# The default task: "largest digit" — verifiable, tiny vocabulary, learnable from scratch on CPU
-# ----------------------------------------------------------------------------------------------
+# ---- The default task: "largest digit" — verifiable, tiny vocabulary, learnable from scratch on CPU ----
 TASK_CHARS = "0123456789="  # the tiny model's whole vocabulary (+ pad, bos, eos, unk): 15 tokens
 
 
@@ -192,9 +188,7 @@ def batch_rows(rows, step, n, seed):
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Configuration
-# ----------------------------------------------------------------------------------------------
+# ---- Configuration ---------------------------------------------------------------------------
 @dataclass
 class Args:
     model: str = field(default="", metadata={"help": "policy hub id or path; empty: tiny model from scratch"})
@@ -273,9 +267,7 @@ def parse_args(argv=None):
     return args
 
 
-# ----------------------------------------------------------------------------------------------
-# Rollout pieces: tokenise, generate, score
-# ----------------------------------------------------------------------------------------------
+# ---- Rollout pieces: tokenise, generate, score -----------------------------------------------
 def encode_prompts(tokenizer, rows, max_prompt_length):
     """Token-id lists (no padding); the chat template is applied when the tokenizer has one."""
     if tokenizer.chat_template:
@@ -326,9 +318,7 @@ def make_batch(prompt_ids, gens, pad_id):
             "completion_mask": gens.completion_mask}  # (B, C)
 
 
-# ----------------------------------------------------------------------------------------------
-# Micro-batches, log-probs and the update
-# ----------------------------------------------------------------------------------------------
+# ---- Micro-batches, log-probs and the update -------------------------------------------------
 def plan_micro_batches(batch, per_device_train_batch_size, max_tokens_per_microbatch):
     """Index tensors over this rank's B sequences, the same number on every rank (ZeRO-3 forwards
     and backwards are collectives); a rank short of micro-batches gets None (a zero-weight repeat)."""
@@ -417,9 +407,7 @@ def train_on_batch(engine, batch, plan, args, normalizer, device):
     return sums
 
 
-# ----------------------------------------------------------------------------------------------
-# Evaluation, logging helpers
-# ----------------------------------------------------------------------------------------------
+# ---- Evaluation, logging helpers -------------------------------------------------------------
 def peak_memory_gb(device):
     """Peak since the last call, then reset: GPU memory allocated, or on CPU the process's resident set
     (Linux VmHWM, reset through /proc/self/clear_refs; elsewhere the never-reset ru_maxrss)."""
@@ -427,15 +415,14 @@ def peak_memory_gb(device):
         gb = torch.cuda.max_memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
         return gb
-    try:
+    import resource
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    if os.path.exists("/proc/self/clear_refs"):
         with open("/proc/self/status") as f:
             kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # "5" resets the high-water mark to the current RSS
-        return kib / 2**20
-    except OSError:
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux, bytes on macOS
+    return kib / 2**20
 
 
 def all_sum(values):
@@ -478,9 +465,7 @@ def plot_curves(run_dir):
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------------------------
-# The loop
-# ----------------------------------------------------------------------------------------------
+# ---- The loop --------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
     import deepspeed
