@@ -454,8 +454,10 @@ def plot_curves(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, key, label, style in ((axes[0], "reward", "train reward", "-"), (axes[0], "eval/reward", "held-out reward",
-                                  "o-"), (axes[1], "kl", "KL to reference", "-")):
+    kl = any("kl" in r for r in rows)  # beta = 0 has no KL: show the policy's entropy instead
+    right = ("kl", "KL to reference") if kl else ("entropy", "entropy")
+    for ax, key, label, style in ((axes[0], "reward", "train reward", "-"),
+                                  (axes[0], "eval/reward", "held-out reward", "o-"), (axes[1], *right, "-")):
         have = [r for r in rows if key in r]
         ax.plot([r["step"] for r in have], [r[key] for r in have], style, label=label)
         ax.set_xlabel("step")
