@@ -442,7 +442,8 @@ def forward_logps(model, mb, temperature, packing, device, return_entropy=False)
                            temperature=temperature, return_entropy=return_entropy)  # (b, c)
     ids, pos, where = pack(mb)
     out = packed_logps(model, ids.to(device), pos.to(device), where.to(device), temperature, return_entropy)
-    return tuple(unpack(o, mb["completion_mask"]) for o in out) if return_entropy else unpack(out, mb["completion_mask"])
+    cm = mb["completion_mask"]
+    return (unpack(out[0], cm), unpack(out[1], cm)) if return_entropy else unpack(out, cm)
 
 
 def forward_values(critic, mb, packing, device):
@@ -542,7 +543,8 @@ def train_on_batch(actor, critic, batch, plan, args, device):
                                     normalizer)
                 critic.backward(vl * weight * world, scale_wrt_gas=False)
                 if idx is not None:
-                    metrics = {**pm, **vm, "entropy": (entropy.detach() * mask).sum(), "policy_loss": pl.detach() / n_updates,
+                    metrics = {**pm, **vm, "entropy": (entropy.detach() * mask).sum(),
+                               "policy_loss": pl.detach() / n_updates,
                                "value_loss": vl.detach() / n_updates}  # summed: the mean mini-batch loss
                     for k, v in metrics.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
@@ -587,7 +589,7 @@ def all_sum(values):
 
 
 def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
-    """Held-out mean score and accuracy (rule-based rewards only): one sampled completion per prompt."""
+    """Held-out mean score and accuracy (0 with a reward model): one sampled completion per prompt."""
     if not rows:
         return float("nan"), float("nan")
     mine = rows[rank::world]
@@ -611,13 +613,13 @@ def plot_curves(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
-    for ax, key, label, style in ((axes[0], "reward", "train score", "-"), (axes[0], "eval/reward", "held-out score",
-                                  "o-"), (axes[1], "value_loss", "value loss", "-"), (axes[2], "kl", "KL to reference",
-                                                                                      "-")):
+    panels = [(0, "reward", "train score", "-"), (0, "eval/reward", "held-out score", "o-"),
+              (1, "value_loss", "value loss", "-"), (2, "kl", "KL to reference", "-")]
+    for i, key, label, style in panels:
         have = [r for r in rows if key in r]
-        ax.plot([r["step"] for r in have], [r[key] for r in have], style, label=label)
-        ax.set_xlabel("step")
-        ax.legend()
+        axes[i].plot([r["step"] for r in have], [r[key] for r in have], style, label=label)
+        axes[i].set_xlabel("step")
+        axes[i].legend()
     fig.tight_layout()
     fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
     plt.close(fig)

@@ -138,3 +138,10 @@ def test_losses_add_up_over_micro_batches():
     parts = sum(value_loss(logps[s], old[s], adv[s], mask[s], 0.2, n)[0] for s in (slice(0, 3), slice(3, 6)))
     assert full.item() == pytest.approx(parts.item())
     assert math.isfinite(full.item())
+
+
+def test_accumulation_equivalence_deepspeed(tiny_model):
+    """Real DeepSpeed ZeRO-3 on 2 ranks: micro-batch x accumulation (4, 1), (1, 4) and packed micro-batches
+    of 2 give actor and critic the SGD update of the full 8-sequence policy / value loss gradient."""
+    out = torchrun(os.path.join(HERE, "dist_ppo_accum.py"), tiny_model, timeout=300)
+    assert "ppo accumulation equivalence OK" in out.stdout

@@ -32,9 +32,9 @@ def test_pack_layout():
     assert ids.shape == (1, int(lengths.sum())) and pos.shape == ids.shape
     assert int((pos == 0).sum()) == 5  # positions restart at 0 for each sequence
     assert len(where) == int(mb["completion_mask"].sum())
-    torch.testing.assert_close(ids[0, where + 1], mb["input_ids"][mb["completion_mask"].bool().nonzero(as_tuple=True)[0],
-                               mb["input_ids"].shape[1] - mb["completion_mask"].shape[1]
-                               + mb["completion_mask"].bool().nonzero(as_tuple=True)[1]])
+    rows, cols = mb["completion_mask"].bool().nonzero(as_tuple=True)  # completion tokens, row-major
+    P = mb["input_ids"].shape[1] - mb["completion_mask"].shape[1]
+    torch.testing.assert_close(ids[0, where + 1], mb["input_ids"][rows, P + cols])  # `where` predicts them
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
