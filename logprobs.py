@@ -296,8 +296,14 @@ def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=
 
 
 def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
-                return_entropy=False, vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE):
+                return_entropy=False, vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE, position_ids=None):
     """Log-probs (B, K) fp32 of input_ids[:, -K:] (and entropies (B, K)) through fused_logps.
+
+    Pass the DeepSpeed engine itself, not engine.module, when training: the engine's
+    forward is where ZeRO counts micro-steps, and without it gradient accumulation
+    overwrites instead of adding. position_ids default to the attention mask's cumsum;
+    packed rows (several sequences in one row) pass attention_mask=None and position_ids
+    that restart at 0 per sequence, which transformers turns into a block-causal mask.
 
     The model runs its own forward (a transformers CausalLM, a DeepSpeed engine, or a
     PEFT wrapper), but for the duration of the call its lm_head's forward is replaced by
@@ -309,8 +315,8 @@ def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.
     covers lm_head) need nothing special. The lm_head is restored on every exit path.
     """
     _check_keep(input_ids, attention_mask, logits_to_keep)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+    if position_ids is None:
+        position_ids = _position_ids(torch.ones_like(input_ids) if attention_mask is None else attention_mask)
     module = getattr(model, "module", model)  # DeepSpeed engine -> its module
     config = getattr(module, "config", None)
     for knob in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
@@ -330,7 +336,7 @@ def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.
     saved = lm_head.__dict__.get("forward")  # an instance-level forward (e.g. a wrapper's) to put back
     lm_head.forward = fused_forward
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=_position_ids(attention_mask),
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     logits_to_keep=K + 1, use_cache=False).logits  # (B, K) or (B, K, 2)
     finally:
         if saved is None:

@@ -269,6 +269,20 @@ def test_model_logps_matches_naive(model, K, gradient_checkpointing):
         model.eval()
 
 
+def test_model_logps_packed_rows_match_padded(model):
+    """Two sequences packed in one row (positions restart, no mask) score as when padded."""
+    ids = torch.randint(3, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # sequence 1 is 6 tokens, left-padded
+    ids[mask == 0] = 0
+    padded = model_logps(model, ids, mask, 5)  # (2, 5)
+    row = torch.cat([ids[0], ids[1, 4:]])[None]  # (1, 16)
+    pos = torch.cat([torch.arange(10), torch.arange(6)])[None]  # (1, 16)
+    packed = model_logps(model, row, None, 15, position_ids=pos)  # (1, 15): target j + 1 at index j
+    close(packed[0, 4:9], padded[0], 1e-5)
+    close(packed[0, 10:15], padded[1], 1e-5)
+
+
 def test_model_logps_restores_lm_head_on_error(model):
     ids, mask = batch(model.config.vocab_size)
     bad = ids.clone()
