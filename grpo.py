@@ -26,20 +26,25 @@ Departures from the paper (DeepSeekMath, Shao et al. 2024) and why:
   generates (vLLM's and the trainer's numerics differ), capped at vllm_importance_cap.
 - Every micro-batch loss is divided by the WHOLE batch's normaliser (all micro-batches,
   all ranks) and DeepSpeed's own averaging is undone, so accumulation never changes the update.
+Shared with ppo.py, one file each: tasks.py (the built-in task, reward functions, data and its
+order), batching.py (prompt ids, padded batches, micro-batch plans, collectives), runlog.py
+(metrics.jsonl, wandb, peak memory, curves.png).
 Limits: every rank loads the full checkpoint before DeepSpeed partitions it (no zero.Init,
 which needs `accelerate`); the held-out score is one sampled completion per prompt.
 """
 
-import itertools
 import json
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+from batching import all_cat, all_sum, encode_prompts, make_batch, micro_slice, plan_micro_batches
+from runlog import RunLog, peak_memory_gb
+from tasks import batch_rows, load_data, reward_functions, score_completions, task_model
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
 
@@ -121,73 +126,6 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, epsilon_lo
     return loss, metrics
 
 
-# ---- The default task: "largest digit" — verifiable, tiny vocabulary, learnable from scratch on CPU ----
-TASK_CHARS = "0123456789="  # the tiny model's whole vocabulary (+ pad, bos, eos, unk): 15 tokens
-
-
-def default_task(num_eval, seed=0, digits=3):
-    """Prompts like "835=" whose answer is the largest digit ("8"); all 10**digits strings,
-    `num_eval` of them held out. A random model emits a digit 2/3 of the time (format reward)."""
-    prompts = ["".join(p) for p in itertools.product("0123456789", repeat=digits)]
-    random.Random(seed).shuffle(prompts)
-    rows = [{"prompt": p + "=", "answer": max(p)} for p in prompts]
-    return rows[num_eval:], rows[:num_eval]
-
-
-def format_reward(prompts, completions, answers):
-    """1 for exactly one digit (then EOS), 0.5 for a digit followed by more, else 0."""
-    return [1.0 if len(c) == 1 and c.isdigit() else 0.5 if c[:1].isdigit() else 0.0 for c in completions]
-
-
-def correct_reward(prompts, completions, answers):
-    """1 when the completion starts with the right answer."""
-    return [1.0 if c.strip().startswith(a) and a else 0.0 for c, a in zip(completions, answers)]
-
-
-def exact_match_reward(prompts, completions, answers):
-    """For JSONL data: 1 when the completion's last non-empty line equals the answer."""
-    lines = [[ln.strip() for ln in c.strip().splitlines() if ln.strip()] for c in completions]
-    return [1.0 if ln and ln[-1] == str(a).strip() else 0.0 for ln, a in zip(lines, answers)]
-
-
-def load_reward_funcs(spec):
-    """'module:function,module:function' (or a bare name defined in this file) -> callables."""
-    import importlib
-    funcs = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        module, _, name = item.rpartition(":")
-        try:
-            funcs.append(getattr(importlib.import_module(module) if module else sys.modules[__name__], name))
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"--reward_funcs {item!r}: cannot import ({e}); write module:function, "
-                             f"with the module on PYTHONPATH") from e
-    return funcs
-
-
-def load_jsonl(path, num_eval, seed):
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    bad = [i for i, r in enumerate(rows) if "prompt" not in r]
-    if bad:
-        raise ValueError(f"{path}: lines {bad[:5]} have no \"prompt\" key; "
-                         "each line is {\"prompt\": ..., \"answer\": ...}")
-    random.Random(seed).shuffle(rows)
-    if len(rows) <= num_eval:
-        raise ValueError(f"{path} has {len(rows)} rows, not more than num_eval_prompts={num_eval}; lower it")
-    return rows[num_eval:], rows[:num_eval]
-
-
-def batch_rows(rows, step, n, seed):
-    """The n prompts of global step `step`: a fixed seeded order per epoch, so resume sees the same data."""
-    out, start = [], step * n
-    while len(out) < n:
-        epoch, offset = divmod(start + len(out), len(rows))
-        order = list(range(len(rows)))
-        random.Random(seed * 1000003 + epoch).shuffle(order)
-        out += [rows[i] for i in order[offset:offset + n - len(out)]]
-    return out
-
-
 # ---- Configuration ---------------------------------------------------------------------------
 @dataclass
 class Args:
@@ -257,28 +195,15 @@ def parse_args(argv=None):
         raise SystemExit("--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)")
     if args.report_to not in ("none", "wandb"):
         raise SystemExit("--report_to: none or wandb")
-    args.funcs = load_reward_funcs(args.reward_funcs or ("format_reward,correct_reward" if not args.data
-                                                         else "exact_match_reward"))
-    weights = args.reward_weights or ("0.25,0.75" if not (args.data or args.reward_funcs) else "")
-    args.weights = [float(w) for w in weights.split(",")] if weights else [1.0] * len(args.funcs)
-    if len(args.weights) != len(args.funcs):
-        raise SystemExit(f"--reward_weights has {len(args.weights)} values for {len(args.funcs)} reward functions")
+    try:
+        args.funcs, args.weights = reward_functions(args.reward_funcs, args.reward_weights, args.data)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     args.batch_size = args.prompts_per_rank * args.num_generations  # completions per rank per step
     return args
 
 
-# ---- Rollout pieces: tokenise, generate, score -----------------------------------------------
-def encode_prompts(tokenizer, rows, max_prompt_length):
-    """Token-id lists (no padding); the chat template is applied when the tokenizer has one."""
-    if tokenizer.chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                               add_generation_prompt=True) for r in rows]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer([r["prompt"] for r in rows])["input_ids"]
-    return [i[-max_prompt_length:] for i in ids]
-
-
+# ---- Rollout: generate (batching.py encodes and pads, tasks.py scores) -------------------------
 def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
     """Generations for whole groups on this rank: G completions of each prompt, prompt-major."""
     from generation import generate_hf, unwrap_for_generation
@@ -292,72 +217,7 @@ def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kw)
 
 
-def score(args, rows, completions, num_generations):
-    """Weighted sum of the reward functions, (B,), and each function's raw rewards, {name: (B,)}."""
-    prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
-    answers = [r.get("answer", "") for r in rows for _ in range(num_generations)]
-    per_func = {}
-    for f in args.funcs:
-        values = f(prompts, completions, answers)
-        if len(values) != len(completions):
-            raise ValueError(f"reward {f.__name__} returned {len(values)} values for {len(completions)} completions")
-        per_func[f.__name__] = torch.tensor([float(v) for v in values])  # (B,)
-    total = sum(w * r for w, r in zip(args.weights, per_func.values()))  # (B,)
-    return total, per_func
-
-
-def make_batch(prompt_ids, gens, pad_id):
-    """Left-padded prompts + right-padded completions: input_ids, attention_mask (B, P + C)."""
-    G = gens.completion_ids.shape[0] // len(prompt_ids)
-    rows = [p for p in prompt_ids for _ in range(G)]
-    P = max(len(p) for p in rows)
-    prompt = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in rows])  # (B, P)
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows])  # (B, P)
-    return {"input_ids": torch.cat([prompt, gens.completion_ids], 1),  # (B, T)
-            "attention_mask": torch.cat([prompt_mask, gens.completion_mask], 1),  # (B, T)
-            "completion_mask": gens.completion_mask}  # (B, C)
-
-
 # ---- Micro-batches, log-probs and the update -------------------------------------------------
-def plan_micro_batches(batch, per_device_train_batch_size, max_tokens_per_microbatch):
-    """Index tensors over this rank's B sequences, the same number on every rank (ZeRO-3 forwards
-    and backwards are collectives); a rank short of micro-batches gets None (a zero-weight repeat)."""
-    import torch.distributed as dist
-    B = batch["input_ids"].shape[0]
-    if max_tokens_per_microbatch > 0:
-        lengths = batch["attention_mask"].sum(1)  # (B,)
-        plan, cur, longest = [], [], 0
-        for i in torch.argsort(lengths).tolist():  # similar lengths together: little padding
-            new_longest = max(longest, int(lengths[i]))
-            if cur and (len(cur) + 1) * new_longest > max_tokens_per_microbatch:
-                plan.append(torch.tensor(cur))
-                cur, new_longest = [], int(lengths[i])
-            cur.append(i)
-            longest = new_longest
-        plan.append(torch.tensor(cur))
-    else:
-        plan = list(torch.arange(B).split(per_device_train_batch_size))
-    n = torch.tensor(len(plan))
-    if dist.is_initialized():
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return plan + [None] * (int(n) - len(plan))
-
-
-def micro_slice(batch, idx):
-    """Rows `idx`, with all-padding columns cut: left prompt padding and completion tail."""
-    C = batch["completion_mask"].shape[1]
-    am = batch["attention_mask"][idx]  # (b, T)
-    c = max(int(batch["completion_mask"][idx].sum(1).max()), 1)
-    start = int(am[:, :-C].any(0).float().argmax()) if am.shape[1] > C else 0
-    end = am.shape[1] - C + c
-    out = {"input_ids": batch["input_ids"][idx, start:end], "attention_mask": am[:, start:end],  # (b, t)
-           "completion_mask": batch["completion_mask"][idx, :c], "logits_to_keep": c}  # (b, c)
-    for key in ("advantages", "old_logps", "ref_logps", "is_weights"):
-        value = batch.get(key)
-        out[key] = None if value is None else value[idx] if value.dim() == 1 else value[idx, :c]
-    return out
-
-
 @torch.no_grad()
 def batch_logps(model, batch, plan, temperature, device):
     """(B, C) log-probs of the sampled tokens, micro-batch by micro-batch (same slices as the update,
@@ -391,15 +251,15 @@ def train_on_batch(engine, batch, plan, args, normalizer, device):
         # that count every backward overwrites (not accumulates) the gradient partitions
         logps, entropy = model_logps(engine, mb["input_ids"].to(device), mb["attention_mask"].to(device),
                                      mb["logits_to_keep"], temperature=args.temperature, return_entropy=True)  # (b, c)
-        to = lambda t: None if t is None else t.to(device)  # noqa: E731
-        loss, metrics = grpo_loss(logps, to(mb["old_logps"]), to(mb["ref_logps"]), to(mb["advantages"]),
-                                  to(mb["completion_mask"]), beta=args.beta, epsilon_low=args.epsilon_low,
+        to = lambda key: None if mb.get(key) is None else mb[key].to(device)  # noqa: E731
+        loss, metrics = grpo_loss(logps, to("old_logps"), to("ref_logps"), to("advantages"),
+                                  to("completion_mask"), beta=args.beta, epsilon_low=args.epsilon_low,
                                   epsilon_high=args.epsilon_high, loss_type=args.loss_type, normalizer=normalizer,
-                                  is_weights=to(mb["is_weights"]))
+                                  is_weights=to("is_weights"))
         weight = 0.0 if idx is None else 1.0  # a padding micro-batch only keeps the collectives in step
         engine.backward(loss * weight * world, scale_wrt_gas=False)
         if idx is not None:
-            metrics["entropy"] = (entropy.detach() * to(mb["completion_mask"])).sum()
+            metrics["entropy"] = (entropy.detach() * to("completion_mask")).sum()
             metrics["loss"] = loss.detach()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -407,31 +267,7 @@ def train_on_batch(engine, batch, plan, args, normalizer, device):
     return sums
 
 
-# ---- Evaluation, logging helpers -------------------------------------------------------------
-def peak_memory_gb(device):
-    """Peak since the last call, then reset: GPU memory allocated, or on CPU the process's resident set
-    (Linux VmHWM, reset through /proc/self/clear_refs; elsewhere the never-reset ru_maxrss)."""
-    if device.type == "cuda":
-        gb = torch.cuda.max_memory_allocated(device) / 2**30
-        torch.cuda.reset_peak_memory_stats(device)
-        return gb
-    import resource
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    if os.path.exists("/proc/self/clear_refs"):
-        with open("/proc/self/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # "5" resets the high-water mark to the current RSS
-    return kib / 2**20
-
-
-def all_sum(values):
-    import torch.distributed as dist
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
+# ---- Evaluation ------------------------------------------------------------------------------
 def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
     """Held-out mean reward and accuracy: one sampled completion per prompt, prompts split over ranks."""
     if not rows:
@@ -440,31 +276,10 @@ def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
     torch.manual_seed(args.seed + 12345 + rank)  # the same eval samples at every point of a run
     gens = generate(engine, vllm, tokenizer, encode_prompts(tokenizer, mine, args.max_prompt_length), args, 1)
     completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
-    total, per_func = score(args, mine, completions, 1)
+    total, per_func = score_completions(args.funcs, args.weights, mine, completions, 1)
     solved = torch.stack([r >= 1 for r in per_func.values()]).all(0)  # (B,)
     reward_sum, solved_sum, n = all_sum([total.sum().item(), solved.sum().item(), len(mine)])
     return reward_sum / n, solved_sum / n
-
-
-def plot_curves(run_dir):
-    """reward and KL per step from metrics.jsonl to curves.png."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    kl = any("kl" in r for r in rows)  # beta = 0 has no KL: show the policy's entropy instead
-    right = ("kl", "KL to reference") if kl else ("entropy", "entropy")
-    for ax, key, label, style in ((axes[0], "reward", "train reward", "-"),
-                                  (axes[0], "eval/reward", "held-out reward", "o-"), (axes[1], *right, "-")):
-        have = [r for r in rows if key in r]
-        ax.plot([r["step"] for r in have], [r[key] for r in have], style, label=label)
-        ax.set_xlabel("step")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
-    plt.close(fig)
 
 
 # ---- The loop --------------------------------------------------------------------------------
@@ -490,17 +305,8 @@ def main(argv=None):
     os.makedirs(args.run_dir, exist_ok=True)
 
     # 2. data and models ----------------------------------------------------------------------
-    if args.data:
-        train_rows, eval_rows = load_jsonl(args.data, args.num_eval_prompts, args.seed)
-    else:
-        train_rows, eval_rows = default_task(args.num_eval_prompts, args.seed)
-    model_path = args.model
-    if not model_path:  # the default task trains a tiny model from scratch, vocabulary = its characters
-        model_path = os.path.join(args.run_dir, "model")
-        if rank == 0 and not os.path.exists(os.path.join(model_path, "config.json")):
-            from tiny_models import build_tiny
-            build_tiny(model_path, hidden_size=128, num_layers=2, chars=TASK_CHARS, seed=args.seed)
-        dist.barrier()
+    train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)
+    model_path = task_model(args.model, args.run_dir, rank, args.seed)  # no --model: a tiny one from scratch
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -542,32 +348,15 @@ def main(argv=None):
         _, client = engine.load_checkpoint(ckpt_dir)
         start_step = client["step"]
         say(f"resumed from {ckpt_dir} at step {start_step}")
-    if rank == 0:  # what ran: the script itself and the resolved arguments
-        with open(__file__) as src, open(os.path.join(args.run_dir, "grpo.py"), "w") as dst:
-            dst.write(src.read())
-        with open(os.path.join(args.run_dir, "args.json"), "w") as f:
-            json.dump({**{k: v for k, v in vars(args).items() if k != "funcs"}, "world_size": world,
-                       "ds_config_resolved": ds_config}, f, indent=1)
-    wandb = None
-    if args.report_to == "wandb" and rank == 0:
-        import wandb
-        os.environ.setdefault("WANDB_MODE", "offline")
-        wandb.init(project="lean-rl", dir=args.run_dir, config={k: v for k, v in vars(args).items() if k != "funcs"})
-    metrics_file = open(os.path.join(args.run_dir, "metrics.jsonl"), "a") if rank == 0 else None
-
-    def record(row):
-        if rank == 0:
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-            if wandb:
-                wandb.log(row, step=row["step"])
+    log = RunLog(args.run_dir, __file__, {k: v for k, v in vars(args).items() if k != "funcs"}, rank, args.report_to,
+                 extra={"world_size": world, "ds_config_resolved": ds_config})  # what ran, metrics.jsonl, wandb
 
     def held_out(step, when):
         if vllm is not None:
             vllm.sync_weights(engine)
         reward, acc = evaluate(engine, vllm, tokenizer, eval_rows, args, rank, world)
         say(f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} prompts)")
-        record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
+        log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
     t_start = time.time()
@@ -585,7 +374,7 @@ def main(argv=None):
             vllm.sync_weights(engine)
         gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
         completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
-        rewards, per_func = score(args, rows, completions, G)  # (B,)
+        rewards, per_func = score_completions(args.funcs, args.weights, rows, completions, G)  # (B,)
 
         # 4. advantages on whole groups -----------------------------------------------------
         batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
@@ -615,9 +404,8 @@ def main(argv=None):
         # 7. logging and saving --------------------------------------------------------------
         keys = sorted(sums)
         totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
-        gathered = [torch.zeros(len(rewards), 2 + len(per_func)) for _ in range(world)]
-        dist.all_gather(gathered, torch.stack([rewards, gens.completion_mask.sum(1).float(), *per_func.values()], 1))
-        allr = torch.cat(gathered)  # (world * B, 2 + F): total reward, completion length, each function
+        allr = all_cat(torch.stack([rewards, gens.completion_mask.sum(1).float(), *per_func.values()], 1))
+        # (world * B, 2 + F): total reward, completion length, each function
         dt = time.time() - t0
         row = {"step": step + 1, "reward": allr[:, 0].mean().item(), "reward_std": allr[:, 0].std().item(),
                "accuracy": (allr[:, 2:] >= 1).all(1).float().mean().item(), "loss": totals["loss"],
@@ -632,7 +420,7 @@ def main(argv=None):
                   for j, name in enumerate(per_func) for stat in ("mean", "std")}}
         if args.vllm_importance_cap > 0:  # how far vLLM's log-probs are from the trainer's (1 = identical)
             row["vllm_is_ratio"] = sums_is[0] / sums_is[1]
-        record(row)
+        log.record(row)
         bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}")
         if rank == 0:
             bar.write(f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} acc {row['accuracy']:.2f} "
@@ -650,11 +438,8 @@ def main(argv=None):
             f"({args.max_steps - start_step} steps)")
     if args.save_model:
         save_hf(engine, tokenizer, os.path.join(args.run_dir, "final"))
-    if rank == 0:
-        metrics_file.close()
-        plot_curves(args.run_dir)
-        if wandb:
-            wandb.finish()
+    right = ("kl", "KL to reference", "-") if args.beta > 0 else ("entropy", "entropy", "-")  # beta 0: no KL
+    log.close(panels=[[("reward", "train reward", "-"), ("eval/reward", "held-out reward", "o-")], [right]])
     dist.barrier()
     if vllm is None:  # vLLM's exit handler tears down its own groups and needs the default one alive
         dist.destroy_process_group()

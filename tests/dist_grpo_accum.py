@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from grpo import LOSS_TYPES, grpo_loss, loss_normalizer, plan_micro_batches, train_on_batch
+from batching import plan_micro_batches
+from grpo import LOSS_TYPES, grpo_loss, loss_normalizer, train_on_batch
 from zero3_utils import gathered
 
 model_dir = sys.argv[1]

@@ -137,24 +137,14 @@ def test_accumulation_equivalence_deepspeed(tiny_model, tmp_path):
     torchrun(os.path.join(HERE, "dist_grpo_accum.py"), tiny_model, tmp_path)
 
 
-def test_bad_input_fails_with_a_message_that_says_what_to_change(tmp_path):
-    from grpo import batch_rows, default_task, load_jsonl, parse_args
+def test_bad_input_fails_with_a_message_that_says_what_to_change():
+    from grpo import parse_args
     for argv, msg in ((["--loss_type", "sum"], "choose one of"), (["--num_generations", "1"], ">= 2"),
                       (["--reward_weights", "1,2,3"], "3 values for 2 reward functions"),
                       (["--reward_funcs", "nosuchmodule:f"], "module:function"),
                       (["--vllm_importance_cap", "2"], "needs --use_vllm")):
         with pytest.raises((SystemExit, ValueError), match=msg):
             parse_args(argv)
-    args = parse_args(["--reward_funcs", "grpo:correct_reward", "--data", "x.jsonl"])
+    args = parse_args(["--reward_funcs", "tasks:correct_reward", "--data", "x.jsonl"])
     assert [f.__name__ for f in args.funcs] == ["correct_reward"] and args.weights == [1.0]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "1=", "answer": "1"}\n{"question": "2="}\n')
-    with pytest.raises(ValueError, match="no \"prompt\" key"):
-        load_jsonl(bad, 0, 0)
-    train, held = default_task(200)
-    assert len(train) == 800 and not {r["prompt"] for r in train} & {r["prompt"] for r in held}
-    assert all(r["answer"] == max(r["prompt"][:-1]) for r in held)
-    # the data order is a function of the step alone (what resume relies on), and covers each epoch
-    assert batch_rows(train, 7, 64, 0) == batch_rows(train, 7, 64, 0)
-    epoch = [r["prompt"] for s in range(25) for r in batch_rows(train, s, 32, 0)]
-    assert sorted(epoch) == sorted(r["prompt"] for r in train)
+    # the task, rewards, JSONL data and data order: tests/test_tasks.py

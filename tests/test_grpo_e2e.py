@@ -88,7 +88,7 @@ def test_two_nodes_loopback_sharded_token_budget_jsonl(tmp_path):
     env = {"RUN_DIR": str(tmp_path / "r"), "NNODES": "2", "NPROC": "1", "MASTER_PORT": str(free_port())}
     args = ["--max_steps", "2", "--gather_for_generation", "False", "--max_tokens_per_microbatch", "20",
             "--loss_type", "dr_grpo", "--save_model", "False", "--data", str(data),
-            "--reward_funcs", "grpo:correct_reward,grpo:format_reward", "--reward_weights", "1,0.5"]
+            "--reward_funcs", "tasks:correct_reward,tasks:format_reward", "--reward_weights", "1,0.5"]
     procs = [run_sh(*args, env={**env, "NODE_RANK": str(n)}, wait=False) for n in (0, 1)]
     outs = [finish(p) for p in procs]
     rows = train_rows(tmp_path / "r")

@@ -1,0 +1,114 @@
+"""Batch plumbing for the RL loops: prompts to ids, rollouts to a padded batch, micro-batches, collectives.
+
+    from batching import encode_prompts, make_batch, plan_micro_batches, micro_slice, all_sum, all_cat
+    prompt_ids = encode_prompts(tokenizer, rows, max_prompt_length)      # lists of ids, no padding
+    batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)        # input_ids, attention_mask (B, T)
+    plan = plan_micro_batches(batch, 8)                 # or by token budget: plan_micro_batches(batch, 8, 4096)
+    for idx in plan:                                    # None: this rank is short, repeat with weight 0
+        mb = micro_slice(batch, plan[0] if idx is None else idx)
+    (total,) = all_sum([local_count])                   # float64 sum over ranks, on the backend's device
+
+Letters in shape comments: B sequences on this rank, b in a micro-batch, P prompt tokens, C completion
+tokens, T = P + C, t <= T and c <= C after cutting all-padding columns. Prompts are left-padded,
+completions right-padded, so every prompt ends and every completion starts at column P.
+
+Collectives put their tensors where the process group's backend needs them (`comm_device`: the
+current GPU under NCCL, the CPU under gloo), so the same loop runs on both. Imports no sibling file.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+# ---- Rollouts to a batch ------------------------------------------------------------------------
+def encode_prompts(tokenizer, rows, max_prompt_length):
+    """Token-id lists (no padding); the chat template is applied when the tokenizer has one."""
+    if tokenizer.chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                               add_generation_prompt=True) for r in rows]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer([r["prompt"] for r in rows])["input_ids"]
+    return [i[-max_prompt_length:] for i in ids]
+
+
+def make_batch(prompt_ids, gens, pad_id):
+    """Left-padded prompts + right-padded completions: input_ids, attention_mask (B, P + C).
+
+    gens.completion_ids, gens.completion_mask: (B, C) with each prompt's B / len(prompt_ids)
+    completions adjacent (generation.py's layout)."""
+    G = gens.completion_ids.shape[0] // len(prompt_ids)
+    rows = [p for p in prompt_ids for _ in range(G)]
+    P = max(len(p) for p in rows)
+    prompt = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in rows])  # (B, P)
+    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows])  # (B, P)
+    return {"input_ids": torch.cat([prompt, gens.completion_ids], 1),  # (B, T)
+            "attention_mask": torch.cat([prompt_mask, gens.completion_mask], 1),  # (B, T)
+            "completion_mask": gens.completion_mask}  # (B, C)
+
+
+# ---- Micro-batches ------------------------------------------------------------------------------
+def plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch=0):
+    """Index tensors over this rank's B sequences, the same number on every rank (ZeRO-3 forwards
+    and backwards are collectives); a rank short of micro-batches gets None (a zero-weight repeat).
+
+    By count (`micro_batch_size` sequences each, in order) or, with max_tokens_per_microbatch > 0,
+    by a padded-token budget: sequences sorted by length, a micro-batch closed when one more
+    sequence would make (sequences x longest) exceed the budget (a longer sequence goes alone)."""
+    B = batch["input_ids"].shape[0]
+    if max_tokens_per_microbatch > 0:
+        lengths = batch["attention_mask"].sum(1)  # (B,)
+        plan, cur, longest = [], [], 0
+        for i in torch.argsort(lengths).tolist():  # similar lengths together: little padding
+            new_longest = max(longest, int(lengths[i]))
+            if cur and (len(cur) + 1) * new_longest > max_tokens_per_microbatch:
+                plan.append(torch.tensor(cur))
+                cur, new_longest = [], int(lengths[i])
+            cur.append(i)
+            longest = new_longest
+        plan.append(torch.tensor(cur))
+    else:
+        plan = list(torch.arange(B).split(micro_batch_size))
+    n = torch.tensor(len(plan), device=comm_device())
+    if dist.is_initialized():
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return plan + [None] * (int(n) - len(plan))
+
+
+def micro_slice(batch, idx):
+    """Rows `idx`, with all-padding columns cut: left prompt padding and completion tail.
+
+    Returns input_ids, attention_mask (b, t), completion_mask (b, c), logits_to_keep = c, and every
+    other entry of `batch` sliced alike: (B,) -> (b,), (B, C) -> (b, c), None stays None."""
+    C = batch["completion_mask"].shape[1]
+    am = batch["attention_mask"][idx]  # (b, T)
+    c = max(int(batch["completion_mask"][idx].sum(1).max()), 1)
+    start = int(am[:, :-C].any(0).float().argmax()) if am.shape[1] > C else 0
+    end = am.shape[1] - C + c
+    out = {"input_ids": batch["input_ids"][idx, start:end], "attention_mask": am[:, start:end],  # (b, t)
+           "completion_mask": batch["completion_mask"][idx, :c], "logits_to_keep": c}  # (b, c)
+    for key, value in batch.items():
+        if key not in out:
+            out[key] = None if value is None else value[idx] if value.dim() == 1 else value[idx, :c]
+    return out
+
+
+# ---- Collectives on the backend's device ---------------------------------------------------------
+def comm_device():
+    """Where a collective's tensors must live: the current GPU under NCCL, else the CPU."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def all_sum(values):
+    """Python numbers summed over all ranks (float64), as a list."""
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_cat(t):
+    """(B, K) from every rank (the same shape on each) -> (world * B, K) on the CPU, rank by rank."""
+    parts = [torch.zeros_like(t, device=comm_device()) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.to(comm_device()))
+    return torch.cat(parts).cpu()

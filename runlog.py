@@ -1,0 +1,91 @@
+"""What a run leaves in its directory: the script and arguments that ran, metrics.jsonl (and wandb
+when asked), peak memory per phase, and curves.png.
+
+    from runlog import RunLog, peak_memory_gb
+    log = RunLog(run_dir, __file__, vars(args), rank, report_to="none", extra={"world_size": world})
+    log.record({"step": 1, "reward": 0.5, "peak_mem_gb/update": peak_memory_gb(device)})
+    log.close(panels=[[("reward", "train reward", "-"), ("eval/reward", "held-out reward", "o-")]])
+
+Only rank 0 writes; on other ranks every call does nothing. Imports no sibling file.
+"""
+
+import json
+import os
+import shutil
+
+import torch
+
+
+def peak_memory_gb(device):
+    """Peak since the last call, then reset: GPU memory allocated, or on CPU the process's resident set
+    (Linux VmHWM, reset through /proc/self/clear_refs; elsewhere the never-reset ru_maxrss)."""
+    if device.type == "cuda":
+        gb = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+        return gb
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the high-water mark to the current RSS
+        return kib / 2**20
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux, bytes on macOS
+
+
+class RunLog:
+    """Rank 0 copies the script into run_dir, writes args.json (`config` + `extra`), appends each
+    record() row to metrics.jsonl (and logs it to wandb with report_to="wandb", offline unless
+    WANDB_MODE says otherwise); close() plots curves.png. Values in `config` must be JSON-able."""
+
+    def __init__(self, run_dir, script, config, rank, report_to="none", extra=None):
+        self.run_dir, self.file, self.wandb = run_dir, None, None
+        if rank != 0:
+            return
+        shutil.copyfile(script, os.path.join(run_dir, os.path.basename(script)))
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump({**config, **(extra or {})}, f, indent=1)
+        if report_to == "wandb":
+            import wandb
+            os.environ.setdefault("WANDB_MODE", "offline")
+            wandb.init(project="lean-rl", dir=run_dir, config=config)
+            self.wandb = wandb
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+
+    def record(self, row):
+        """One JSON line; row["step"] is the x axis of wandb and of the curves."""
+        if self.file is None:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb:
+            self.wandb.log(row, step=row["step"])
+
+    def close(self, panels):
+        """Close metrics.jsonl and plot it: one subplot per panel, a panel a list of (key, label, style)."""
+        if self.file is None:
+            return
+        self.file.close()
+        plot_curves(self.run_dir, panels)
+        if self.wandb:
+            self.wandb.finish()
+
+
+def plot_curves(run_dir, panels):
+    """metrics.jsonl -> curves.png: per panel, each (key, label, style) against step over the rows that have it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for key, label, style in panel:
+            have = [r for r in rows if key in r]
+            ax.plot([r["step"] for r in have], [r[key] for r in have], style, label=label)
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
+    plt.close(fig)

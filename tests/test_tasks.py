@@ -1,0 +1,73 @@
+"""tasks.py: the built-in task, reward functions and their loading, JSONL data, the data order."""
+
+import json
+
+import pytest
+import torch
+
+from tasks import (batch_rows, correct_reward, default_task, exact_match_reward, format_reward, load_data, load_jsonl,
+                   reward_functions, score_completions)
+
+
+def test_default_task_split_and_answers():
+    train, held = default_task(200)
+    assert len(train) == 800 and not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    assert all(r["answer"] == max(r["prompt"][:-1]) for r in held)
+    assert default_task(200, seed=1) != (train, held)  # the seed reshuffles the split
+
+
+def test_reward_functions_against_hand_written_cases():
+    completions = ["8", "8\n", "85", "x8", "", " 8"]
+    answers = ["8"] * 6
+    assert format_reward(None, completions, answers) == [1.0, 0.5, 0.5, 0.0, 0.0, 0.0]
+    assert correct_reward(None, completions, answers) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    assert correct_reward(None, ["8"], [""]) == [0.0]  # an empty answer is never right
+    assert exact_match_reward(None, ["work\n\n 42 \n", "42\nno", "42"], ["42", "42", 42]) == [1.0, 0.0, 1.0]
+
+
+def test_reward_functions_defaults_names_and_errors():
+    funcs, weights = reward_functions("", "", data="")
+    assert [f.__name__ for f in funcs] == ["format_reward", "correct_reward"] and weights == [0.25, 0.75]
+    funcs, weights = reward_functions("", "", data="x.jsonl")
+    assert [f.__name__ for f in funcs] == ["exact_match_reward"] and weights == [1.0]
+    funcs, weights = reward_functions("tasks:correct_reward, format_reward", "1,0.5", data="")
+    assert funcs == [correct_reward, format_reward] and weights == [1.0, 0.5]
+    with pytest.raises(ValueError, match="3 values for 2 reward functions"):
+        reward_functions("", "1,2,3", data="")
+    for bad in ("nosuchmodule:f", "tasks:nosuchfunction"):
+        with pytest.raises(ValueError, match="module:function"):
+            reward_functions(bad, "", data="")
+
+
+def test_score_completions_weighs_each_prompts_group():
+    rows = [{"prompt": "83=", "answer": "8"}, {"prompt": "12=", "answer": "2"}]
+    completions = ["8", "3", "2", "22"]  # two per prompt, prompt-major
+    total, per_func = score_completions([format_reward, correct_reward], [0.25, 0.75], rows, completions, 2)
+    torch.testing.assert_close(per_func["correct_reward"], torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    torch.testing.assert_close(total, torch.tensor([1.0, 0.25, 1.0, 0.875]))
+    with pytest.raises(ValueError, match="returned 1 values for 4 completions"):
+        score_completions([lambda p, c, a: [1.0]], [1.0], rows, completions, 2)
+
+
+def test_load_jsonl_split_and_bad_input(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"prompt": f"{i}=", "answer": str(i)}) + "\n" for i in range(10)) + "\n")
+    train, held = load_jsonl(good, 3, 0)
+    assert len(train) == 7 and len(held) == 3 and not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    assert load_data(str(good), 3, 0) == (train, held) and load_data("", 3, 0) == default_task(3, 0)
+    with pytest.raises(ValueError, match="lower it"):
+        load_jsonl(good, 10, 0)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1=", "answer": "1"}\n{"question": "2="}\n')
+    with pytest.raises(ValueError, match="no \"prompt\" key"):
+        load_jsonl(bad, 0, 0)
+
+
+def test_batch_rows_is_a_function_of_the_step_and_covers_each_epoch():
+    train, _ = default_task(200)
+    assert batch_rows(train, 7, 64, 0) == batch_rows(train, 7, 64, 0)  # what resume relies on
+    epoch = [r["prompt"] for s in range(25) for r in batch_rows(train, s, 32, 0)]
+    assert sorted(epoch) == sorted(r["prompt"] for r in train)
+    assert batch_rows(train, 0, 32, 0) != batch_rows(train, 25, 32, 0)  # the next epoch is reshuffled
+    across = batch_rows(train, 24, 48, 0)  # a step that straddles two epochs still has n rows
+    assert len(across) == 48
