@@ -6,6 +6,7 @@
     plan = plan_micro_batches(batch, 8)                 # or by token budget: plan_micro_batches(batch, 8, 4096)
     for idx in plan:                                    # None: this rank is short, repeat with weight 0
         mb = micro_slice(batch, plan[0] if idx is None else idx)
+    rank, world, device = init_distributed()            # first: NCCL on GPUs, gloo on CPU
     (total,) = all_sum([local_count])                   # float64 sum over ranks, on the backend's device
 
 Letters in shape comments: B sequences on this rank, b in a micro-batch, P prompt tokens, C completion
@@ -15,6 +16,8 @@ completions right-padded, so every prompt ends and every completion starts at co
 Collectives put their tensors where the process group's backend needs them (`comm_device`: the
 current GPU under NCCL, the CPU under gloo), so the same loop runs on both. Imports no sibling file.
 """
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -93,7 +96,20 @@ def micro_slice(batch, idx):
     return out
 
 
-# ---- Collectives on the backend's device ---------------------------------------------------------
+# ---- The process group and collectives on its device ----------------------------------------------
+def init_distributed():
+    """DeepSpeed's process group (NCCL on GPUs, gloo on CPU) -> (rank, world size, this rank's device)."""
+    import warnings  # DeepSpeed 0.19 calls c10d APIs that torch 2.13 deprecates, on every collective
+    warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed", category=FutureWarning)
+    import deepspeed
+    cuda = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
 def comm_device():
     """Where a collective's tensors must live: the current GPU under NCCL, else the CPU."""
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batching import all_cat, all_sum, encode_prompts, make_batch, micro_slice, plan_micro_batches
+from batching import all_cat, all_sum, encode_prompts, init_distributed, make_batch, micro_slice, plan_micro_batches
 from runlog import RunLog, peak_memory_gb
 from tasks import batch_rows, load_data, reward_functions, score_completions, task_model
 
@@ -293,14 +293,8 @@ def main(argv=None):
     from zero3_utils import frozen_engine, load_ds_config, save_hf
 
     # 1. setup --------------------------------------------------------------------------------
-    import warnings  # DeepSpeed 0.19 calls c10d APIs that torch 2.13 deprecates, on every collective
-    warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed", category=FutureWarning)
-    cuda = torch.cuda.is_available()
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
+    cuda = device.type == "cuda"
     say = print if rank == 0 else (lambda *a, **k: None)
     os.makedirs(args.run_dir, exist_ok=True)
 
