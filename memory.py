@@ -1,0 +1,358 @@
+"""Memory: a per-phase ledger of measured peaks, and a pre-flight estimate from a model config.
+
+    from memory import MemoryLedger, estimate_memory
+    ledger = MemoryLedger(device)
+    with ledger.phase("rollout"):          # peak bytes of this phase, recorded on exit
+        ...
+    ledger.line()                          # "mem GB rollout 1.21 update 3.40*" (* = this step's highest)
+    ledger.step_metrics()                  # {"mem/rollout": 1.21, ...} for this step, then starts the next
+    ledger.summary()                       # {"highest": "update", "peak_gb": {...}, "text": ...} over the run
+
+    est = estimate_memory("qwen2.5-7b", world_size=1, zero_stage=3, offload_optimizer=True, ...)
+    est["phases"]["update"]                # predicted peak bytes per GPU in the update phase
+    python memory.py --model qwen2.5-7b --zero_stage 3 --offload_optimizer --device_gb 80
+
+Measured: on CUDA, torch.cuda.max_memory_allocated (reset per phase: torch's own allocations
+only, not the CUDA context or a vLLM pool outside torch's allocator); on CPU, the process's peak
+resident set (Linux VmHWM, reset per phase through /proc/self/clear_refs; elsewhere the
+never-reset ru_maxrss), which includes the ~0.5 GB Python/torch runtime and whatever is offloaded.
+
+Estimated (bytes per GPU; letters: N parameters, W world size, b bytes per model element (2 bf16,
+4 fp32), L layers, H hidden, I MLP width, V vocabulary, h/k query/key-value heads of width d,
+S tokens per sequence (prompt + completion), C completion tokens, m micro-batch in sequences):
+- every phase holds the resident states: parameters N*b (/W under ZeRO-3; 0 with parameter
+  offload), gradients N*b (/W under ZeRO-2/3; one reduce bucket H*H*b with optimizer offload),
+  Adam states 12N (fp32 master + 2 moments, mixed precision) or 8N (fp32 training) (/W under
+  ZeRO-1/2/3; 0 with optimizer offload), a frozen reference model N*b/W, a vLLM share;
+- ZeRO-3 gathers up to `zero3_live_params` (DeepSpeed's stage3_max_live_parameters, 1e9) at once;
+- activations per token per layer (Llama/Qwen decoder, SDPA/flash attention, no dropout):
+  A = 2(4 + b)H [two RMSNorms: fp32 input + normed output] + b(2h + 2k)d [q, k after RoPE, v,
+  attention output] + 4h [logsumexp] + 4bI [gate, up, silu(gate), product]. Without
+  checkpointing (L + 1) A m S (the +1: one layer's gradients in flight); with checkpointing
+  L b H m S (layer inputs) + A m S (one layer recomputed at a time);
+- fused log-probs: a tile (c tokens x v vocab) fp32 and its exp (x2 forward); backward adds the
+  (V, H) fp32 weight gradient, an fp32 (mC, H) hidden gradient and a (v, H) fp32 weight slice.
+  Naive log-probs: (mC, V) logits in b + fp32 copy + log_softmax (x2 with gradients);
+- optimizer step: + the fp32 gradient partition 4N/W (mixed precision) + torch Adam's two fp32
+  temporaries of the tensor it steps (one parameter, or the flat ZeRO partition); fused Adam: none;
+- HF generation: KV cache 2 L k d b per token of every sequence in flight, plus (sequences, V)
+  fp32 logits x3 (logits, probabilities, top-p sort); vLLM: gpu_memory_utilization x device.
+The largest phase is the pre-flight verdict; `knobs_to_fit` lists the changes that get under it.
+"""
+
+import json
+import os
+from contextlib import contextmanager
+
+import torch
+
+GB = 2**30
+
+# ---- The ledger: measured peak per phase ------------------------------------------------------
+def _proc_status_kib(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+
+class MemoryLedger:
+    """Peak memory per named phase, per step and over the run. Phases do not nest."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.linux = os.path.exists("/proc/self/clear_refs")
+        self.step = {}  # phase -> peak bytes this step (max over repeats of the phase)
+        self.run = {}  # phase -> peak bytes over the run
+        self.rise = {}  # phase -> this step's peak minus the bytes in use when the phase began
+        self._open = None
+
+    def current(self):
+        """Bytes in use now: allocated on CUDA, resident set on CPU."""
+        if self.cuda:
+            return torch.cuda.memory_allocated(self.device)
+        return _proc_status_kib("VmRSS") * 1024 if self.linux else 0
+
+    def reset_peak(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.linux:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # "5" resets the high-water mark VmHWM to the current RSS
+
+    def peak(self):
+        """Peak bytes since the last reset_peak."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        if self.linux:
+            return _proc_status_kib("VmHWM") * 1024
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, never reset
+
+    @contextmanager
+    def phase(self, name):
+        if self._open is not None:
+            raise RuntimeError(f"memory phase {name!r} opened inside {self._open!r}: phases do not nest")
+        self._open = name
+        self.reset_peak()
+        start = self.current()
+        try:
+            yield
+        finally:
+            peak, self._open = self.peak(), None
+            self.step[name] = max(self.step.get(name, 0), peak)
+            self.run[name] = max(self.run.get(name, 0), peak)
+            self.rise[name] = max(self.rise.get(name, 0), peak - start)
+
+    def line(self):
+        """This step's peaks in one short line; * marks the highest."""
+        top = max(self.step, key=self.step.get, default=None)
+        return "mem GB " + " ".join(f"{k} {v / GB:.2f}{'*' if k == top else ''}" for k, v in self.step.items())
+
+    def step_metrics(self, prefix="mem/"):
+        """{prefix + phase: GB} of this step, then clears the step (the run's peaks stay)."""
+        out = {f"{prefix}{k}": v / GB for k, v in self.step.items()}
+        self.step, self.rise = {}, {}
+        return out
+
+    def summary(self):
+        """The run's peak per phase and the phase with the highest one."""
+        if not self.run:
+            return {"highest": None, "peak_gb": {}, "text": "mem: no phase recorded"}
+        top = max(self.run, key=self.run.get)
+        where = "allocated on " + str(self.device) if self.cuda else "peak RSS of this process"
+        text = (f"peak memory ({where}): highest in {top} at {self.run[top] / GB:.2f} GB; "
+                + ", ".join(f"{k} {v / GB:.2f}" for k, v in self.run.items()))
+        return {"highest": top, "peak_gb": {k: v / GB for k, v in self.run.items()}, "text": text}
+
+
+# ---- Model shapes -----------------------------------------------------------------------------
+_QWEN = dict(model_type="qwen2", vocab_size=151936, max_position_embeddings=32768, hidden_act="silu")
+PRESETS = {  # Qwen2.5 base configs' shapes (config.json on the hub), so no download is needed
+    "qwen2.5-0.5b": dict(_QWEN, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(_QWEN, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-3b": dict(_QWEN, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(_QWEN, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+}
+
+
+def model_shape(config):
+    """A preset name, a config.json path or its directory, a transformers config, or a dict ->
+    dict of the sizes the estimate needs (no weights are loaded)."""
+    if isinstance(config, str):
+        if config.lower() in PRESETS:
+            config = PRESETS[config.lower()]
+        elif os.path.exists(config):
+            with open(os.path.join(config, "config.json") if os.path.isdir(config) else config) as f:
+                config = json.load(f)
+        else:
+            raise ValueError(f"model {config!r}: not a file or directory, and not one of the presets {list(PRESETS)}")
+    c = config if isinstance(config, dict) else config.to_dict()
+    c = c.get("text_config", c)  # multimodal wrappers keep the LM's sizes here
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if k not in c]
+    if missing:
+        raise ValueError(f"model config lacks {missing}: the estimate knows decoder-only Llama/Qwen-style configs")
+    h, H = c["num_attention_heads"], c["hidden_size"]
+    s = dict(V=c["vocab_size"], H=H, L=c["num_hidden_layers"], I=c["intermediate_size"], h=h,
+             k=c.get("num_key_value_heads") or h, d=c.get("head_dim") or H // h,
+             tied=bool(c.get("tie_word_embeddings", False)))
+    bias = c.get("attention_bias", c.get("model_type") == "qwen2")  # Qwen2 has q/k/v biases
+    qkv = (s["h"] + 2 * s["k"]) * s["d"]
+    s["layer_params"] = H * qkv + (qkv if bias else 0) + s["h"] * s["d"] * H + 3 * H * s["I"] + 2 * H
+    s["embed_params"] = s["V"] * H
+    s["N"] = s["L"] * s["layer_params"] + s["embed_params"] * (1 if s["tied"] else 2) + H
+    return s
+
+
+# ---- The estimate -----------------------------------------------------------------------------
+def estimate_memory(model_config, *, world_size=1, zero_stage=3, offload_optimizer=False, offload_params=False,
+                    dtype="bf16", gradient_checkpointing=False, micro_batch_size=8, seq_len=1536, completion_len=1024,
+                    num_generations=8, prompts_per_rank=1, logprob_chunk=(2048, 4096), fused_logprobs=True,
+                    use_vllm=False, gpu_memory_utilization=0.3, device_gb=80.0, vllm_sleep=False,
+                    gather_for_generation=True, generation_batch_size=256, reference_model=False, ref_offload=False,
+                    zero3_live_params=1e9, fused_adam=False):
+    """Predicted peak bytes per GPU for each GRPO phase, and the pieces they are made of.
+
+    seq_len S: prompt + completion tokens per sequence (padded length); completion_len C;
+    micro_batch_size m in sequences; logprob_chunk (tokens, vocab entries) of fused_logps' tile.
+    Returns {"phases": {phase: bytes}, "pieces": {piece: bytes}, "cpu": offloaded bytes per rank,
+    "highest": phase, "params": N}.
+    """
+    s = model_shape(model_config)
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}: bf16, fp16 or fp32")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage}: 0, 1, 2 or 3")
+    if offload_params and zero_stage != 3:
+        raise ValueError("offload_params needs zero_stage 3 (DeepSpeed offloads parameters only under ZeRO-3)")
+    if offload_optimizer and zero_stage < 1:
+        raise ValueError("offload_optimizer needs zero_stage >= 1")
+    N, V, H, L, I, W = s["N"], s["V"], s["H"], s["L"], s["I"], world_size
+    b = 4 if dtype == "fp32" else 2
+    mixed = b == 2
+    p, tc, tv = {}, logprob_chunk[0], logprob_chunk[1]
+    # resident states, every phase
+    p["params"] = 0 if offload_params else N * b // (W if zero_stage == 3 else 1)
+    bucket = H * H * b  # reduce_bucket_size "auto" = H^2 elements (zero3_utils.load_ds_config)
+    p["grads"] = bucket if offload_optimizer else N * b // (W if zero_stage >= 2 else 1)
+    opt = (12 if mixed else 8) * N // (W if zero_stage >= 1 else 1)
+    p["optimizer"] = 0 if offload_optimizer else opt
+    p["reference"] = 0 if not reference_model or ref_offload else N * b // W
+    vllm_share = int(gpu_memory_utilization * device_gb * GB) if use_vllm else 0
+    # working sets
+    largest = max(s["layer_params"], s["embed_params"])
+    p["zero3_live"] = int(min(N, max(zero3_live_params, largest)) * b) if zero_stage == 3 else 0
+    A = 2 * (4 + b) * H + b * (2 * s["h"] + 2 * s["k"]) * s["d"] + 4 * s["h"] + 4 * b * I  # bytes/token/layer
+    tok, ctok = micro_batch_size * seq_len, micro_batch_size * completion_len
+    p["activations_full"] = (L + 1) * A * tok
+    p["activations_ckpt"] = L * b * H * tok + A * tok
+    p["activations"] = p["activations_ckpt"] if gradient_checkpointing else p["activations_full"]
+    p["inference_layer"] = A * tok  # no-grad forward: about one layer's temporaries at a time
+    if fused_logprobs:
+        p["logprob_fwd"] = 2 * min(tc, ctok) * min(tv, V) * 4
+        p["logprob_update"] = p["logprob_fwd"] + 4 * V * H + 4 * ctok * H + 4 * min(tv, V) * H
+    else:
+        p["logprob_fwd"] = ctok * V * (b + 8)
+        p["logprob_update"] = 2 * p["logprob_fwd"]
+    seqs = min(generation_batch_size, prompts_per_rank * num_generations)
+    p["kv_cache"] = 2 * L * s["k"] * s["d"] * b * seqs * seq_len
+    p["generation_logits"] = 3 * seqs * V * 4
+    p["generation_params"] = (N * b if gather_for_generation else p["zero3_live"]) if zero_stage == 3 else 0
+    p["fp32_grad_partition"] = 0 if (offload_optimizer or not mixed) else 4 * N // (W if zero_stage >= 1 else 1)
+    # torch Adam ("torch_adam": true in configs/) makes ~2 fp32 temporaries of the tensor it steps: one
+    # parameter (stage 0), the flat partition (1/2), a sub-group of <= 1e9 elements (3); fused Adam: 0
+    stepped = largest if zero_stage == 0 else N // W if zero_stage < 3 else min(N // W, 10**9)
+    p["adam_temporaries"] = 0 if offload_optimizer or fused_adam else 2 * 4 * stepped
+    p["vllm"] = vllm_share
+    resident = p["params"] + p["grads"] + p["optimizer"] + p["reference"]
+    v_train = 0 if vllm_sleep else vllm_share  # level-1 sleep frees vLLM's weights and KV cache on GPU
+    phases = {}
+    if use_vllm:
+        phases["rollout"] = resident + vllm_share
+        phases["weight_sync"] = resident + vllm_share + p["zero3_live"] + max(2**26, largest) * b
+    else:
+        prefill = A * seqs * (seq_len - completion_len)
+        phases["rollout"] = resident + p["generation_params"] + p["kv_cache"] + p["generation_logits"] + prefill
+    logps = resident + v_train + p["zero3_live"] + p["inference_layer"] + p["logprob_fwd"]
+    phases["old_logprobs"] = logps
+    if reference_model:
+        phases["ref_logprobs"] = logps  # its own ZeRO-3 working set instead of the policy's
+    phases["update"] = (resident + v_train + p["zero3_live"] + p["activations"] + p["logprob_update"]
+                        + (bucket if zero_stage >= 2 else 0))
+    phases["optimizer_step"] = resident + v_train + p["fp32_grad_partition"] + p["adam_temporaries"]
+    cpu = (opt if offload_optimizer else 0) + (4 * N // W if offload_optimizer else 0)  # states + fp32 grads
+    cpu += N * b // W if offload_params else 0
+    cpu += N * b // W if reference_model and ref_offload else 0
+    return {"phases": phases, "pieces": p, "cpu": cpu, "highest": max(phases, key=phases.get), "params": N}
+
+
+# ---- Which knob brings it under the device ----------------------------------------------------
+def _knob_changes(kw):
+    """Single changes to try, each one step leaner than kw (all of estimate_memory's kwargs): (label, kwargs)."""
+    out, z = [], kw["zero_stage"]
+    def add(cond, label, **change):
+        if cond:
+            out.append((label, dict(kw, **change)))
+    add(z < 3, "zero_stage 3", zero_stage=3)
+    add(z >= 1 and not kw["offload_optimizer"], "offload_optimizer", offload_optimizer=True)
+    add(z == 3 and not kw["offload_params"], "offload_params", offload_params=True)
+    add(not kw["gradient_checkpointing"], "gradient_checkpointing", gradient_checkpointing=True)
+    m, (tc, tv) = kw["micro_batch_size"], kw["logprob_chunk"]
+    add(m > 1, f"micro_batch_size {m // 2}", micro_batch_size=m // 2)
+    add(not kw["fused_logprobs"], "fused_logprobs", fused_logprobs=True)
+    add(kw["fused_logprobs"] and tc > 256, f"logprob_chunk {tc // 2},{tv}", logprob_chunk=(tc // 2, tv))
+    util, weights = kw["gpu_memory_utilization"], model_shape(kw["model_config"])["N"] * (4 if kw["dtype"] == "fp32" else 2)
+    add(kw["use_vllm"] and not kw["vllm_sleep"], "vllm_sleep", vllm_sleep=True)
+    add(kw["use_vllm"] and (util - 0.1) * kw["device_gb"] * GB > 1.2 * weights,  # vLLM still holds its weights
+        f"gpu_memory_utilization {util - 0.1:.1f}", gpu_memory_utilization=round(util - 0.1, 2))
+    add(not kw["use_vllm"] and z == 3 and kw["gather_for_generation"], "gather_for_generation False",
+        gather_for_generation=False)
+    add(kw["reference_model"] and not kw["ref_offload"], "ref_offload", ref_offload=True)
+    return out
+
+
+def knobs_to_fit(model_config, device_gb, **kw):
+    """Greedy: apply the single change that lowers the highest phase most, until it fits in
+    device_gb (or nothing helps). Returns [(change, highest GB after it)]."""
+    import inspect
+    defaults = {k: v.default for k, v in inspect.signature(estimate_memory).parameters.items() if k != "model_config"}
+    kw = {**defaults, **kw, "device_gb": device_gb, "model_config": model_config}
+    top, steps = max(estimate_memory(**kw)["phases"].values()), []
+    while top > device_gb * GB:
+        tried = [(max(estimate_memory(**k)["phases"].values()), label, k) for label, k in _knob_changes(kw)]
+        best = min(tried, key=lambda t: t[0], default=None)
+        if best is None or best[0] >= top:
+            break
+        top, label, kw = best
+        steps.append((label, top / GB))
+    return steps
+
+
+def format_table(est, device_gb=None):
+    rows = [f"{'phase':<16}{'GB/GPU':>9}"] + [f"{k:<16}{v / GB:>9.2f}" for k, v in est["phases"].items()]
+    rows += ["", f"{'piece':<20}{'GB':>9}"] + [f"{k:<20}{v / GB:>9.2f}" for k, v in est["pieces"].items() if v]
+    rows.append(f"parameters {est['params'] / 1e9:.3f} B; offloaded to CPU per rank {est['cpu'] / GB:.1f} GB; "
+                f"highest phase: {est['highest']}"
+                + (f" ({'fits' if est['phases'][est['highest']] <= device_gb * GB else 'OVER'} {device_gb} GB)"
+                   if device_gb else ""))
+    return "\n".join(rows)
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+def main(argv=None):
+    from dataclasses import dataclass, field
+
+    from transformers import HfArgumentParser
+
+    @dataclass
+    class Args:
+        model: str = field(metadata={"help": f"config.json, its directory, or a preset: {', '.join(PRESETS)}"})
+        device_gb: float = field(default=80.0, metadata={"help": "memory per GPU; over it, the knobs that fit"})
+        world_size: int = field(default=1, metadata={"help": "data-parallel ranks (GPUs)"})
+        zero_stage: int = field(default=3, metadata={"help": "DeepSpeed ZeRO stage 0-3"})
+        offload_optimizer: bool = field(default=False, metadata={"help": "Adam states (and fp32 grads) on CPU"})
+        offload_params: bool = field(default=False, metadata={"help": "ZeRO-3 parameter partitions on CPU"})
+        dtype: str = field(default="bf16", metadata={"help": "bf16 (mixed precision, fp32 master) or fp32"})
+        gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layers in backward"})
+        micro_batch_size: int = field(default=8, metadata={"help": "sequences per forward/backward"})
+        seq_len: int = field(default=1536, metadata={"help": "prompt + completion tokens per sequence"})
+        completion_len: int = field(default=1024, metadata={"help": "completion tokens (log-prob positions)"})
+        num_generations: int = field(default=8, metadata={"help": "completions per prompt"})
+        prompts_per_rank: int = field(default=1, metadata={"help": "prompts per rank per step"})
+        logprob_chunk: str = field(default="2048,4096", metadata={"help": "fused log-prob tile: tokens,vocab"})
+        fused_logprobs: bool = field(default=True, metadata={"help": "False: naive (m, C, V) logits"})
+        use_vllm: bool = field(default=False, metadata={"help": "colocated vLLM generates"})
+        gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM's share of the GPU"})
+        vllm_sleep: bool = field(default=False, metadata={"help": "vLLM sleeps (level 1) outside the rollout"})
+        gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3: gather the model to generate"})
+        generation_batch_size: int = field(default=256, metadata={"help": "HF generate: sequences per call"})
+        reference_model: bool = field(default=False, metadata={"help": "a frozen reference (beta > 0)"})
+        ref_offload: bool = field(default=False, metadata={"help": "reference shards on CPU"})
+        fused_adam: bool = field(default=False, metadata={"help": "fused Adam: no step temporaries"})
+
+    (a,) = HfArgumentParser(Args).parse_args_into_dataclasses(argv)
+    kw = {k: v for k, v in vars(a).items() if k not in ("model", "device_gb")}
+    kw["logprob_chunk"] = tuple(int(x) for x in a.logprob_chunk.split(","))
+    print_estimate(a.model, a.device_gb, **kw)
+
+
+def print_estimate(model_config, device_gb, **kw):
+    """The per-phase table and, when over device_gb, the changes that bring it under."""
+    est = estimate_memory(model_config, device_gb=device_gb, **kw)
+    print(format_table(est, device_gb))
+    if est["phases"][est["highest"]] > device_gb * GB:
+        steps = knobs_to_fit(model_config, device_gb, **kw)
+        fits = steps and steps[-1][1] <= device_gb
+        print(("to fit in %g GB: " % device_gb if fits else "still over %g GB after: " % device_gb)
+              + (" then ".join(f"{label} ({gb:.1f} GB)" for label, gb in steps) or "no knob helps"))
+    return est
+
+
+if __name__ == "__main__":
+    main()
