@@ -1,12 +1,12 @@
 """Batch plumbing for the RL loops: prompts to ids, rollouts to a padded batch, micro-batches, collectives.
 
-    from batching import encode_prompts, make_batch, plan_micro_batches, micro_slice, all_sum, all_cat
+    from batching import init_distributed, encode_prompts, make_batch, plan_micro_batches, micro_slice, all_sum
+    rank, world, device = init_distributed()            # first: NCCL on GPUs, gloo on CPU
     prompt_ids = encode_prompts(tokenizer, rows, max_prompt_length)      # lists of ids, no padding
     batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)        # input_ids, attention_mask (B, T)
     plan = plan_micro_batches(batch, 8)                 # or by token budget: plan_micro_batches(batch, 8, 4096)
     for idx in plan:                                    # None: this rank is short, repeat with weight 0
         mb = micro_slice(batch, plan[0] if idx is None else idx)
-    rank, world, device = init_distributed()            # first: NCCL on GPUs, gloo on CPU
     (total,) = all_sum([local_count])                   # float64 sum over ranks, on the backend's device
 
 Letters in shape comments: B sequences on this rank, b in a micro-batch, P prompt tokens, C completion

@@ -34,25 +34,28 @@ Departures from the paper (InstructGPT / "Fine-Tuning LMs from Human Preferences
 - Packing (`--packing`) concatenates a micro-batch's sequences into one row with position ids
   restarting per sequence; transformers turns that into a block-diagonal causal mask (SDPA, eager)
   or variable-length kernels (flash attention), so no token attends across sequences.
+Shared with grpo.py: tasks.py (task, rewards, data order), batching.py (batches, micro-batches,
+collectives), runlog.py (run files, peak memory); logprobs.model_logps scores padded and packed rows.
 Limits: the reward model must share the actor's tokenizer (token ids are passed as they are);
 every rank loads full checkpoints before DeepSpeed partitions them; no vLLM path yet.
 """
 
-import itertools
 import json
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distributed, make_batch, micro_slice,
+                      plan_micro_batches)
+from runlog import RunLog, peak_memory_gb
+from tasks import batch_rows, load_data, reward_functions, score_completions, task_model
 
-# ----------------------------------------------------------------------------------------------
-# The algorithm: rewards, advantages and losses (pure functions, unit-tested against naive loops)
-# ----------------------------------------------------------------------------------------------
+
+# ---- The algorithm: rewards, advantages and losses (pure functions, unit-tested against naive loops) ----
 def token_rewards(logps, ref_logps, mask, scores, kl_coef):
     """Per-token reward (B, C): -kl_coef * (logp - ref_logp) at every completion token, plus the
     sequence's score at its last one. logps, ref_logps (B, C) (ref None: no KL); mask (B, C), 1 on
@@ -140,78 +143,7 @@ def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
     return loss, metrics
 
 
-# ----------------------------------------------------------------------------------------------
-# The default task: "largest digit" (the same as grpo.py's; copied so this file stands alone)
-# ----------------------------------------------------------------------------------------------
-TASK_CHARS = "0123456789="  # the tiny model's whole vocabulary (+ pad, bos, eos, unk): 15 tokens
-
-
-def default_task(num_eval, seed=0, digits=3):
-    """Prompts like "835=" whose answer is the largest digit ("8"); all 10**digits strings,
-    `num_eval` of them held out. A random model emits a digit 2/3 of the time (format reward)."""
-    prompts = ["".join(p) for p in itertools.product("0123456789", repeat=digits)]
-    random.Random(seed).shuffle(prompts)
-    rows = [{"prompt": p + "=", "answer": max(p)} for p in prompts]
-    return rows[num_eval:], rows[:num_eval]
-
-
-def format_reward(prompts, completions, answers):
-    """1 for exactly one digit (then EOS), 0.5 for a digit followed by more, else 0."""
-    return [1.0 if len(c) == 1 and c.isdigit() else 0.5 if c[:1].isdigit() else 0.0 for c in completions]
-
-
-def correct_reward(prompts, completions, answers):
-    """1 when the completion starts with the right answer."""
-    return [1.0 if c.strip().startswith(a) and a else 0.0 for c, a in zip(completions, answers)]
-
-
-def exact_match_reward(prompts, completions, answers):
-    """For JSONL data: 1 when the completion's last non-empty line equals the answer."""
-    lines = [[ln.strip() for ln in c.strip().splitlines() if ln.strip()] for c in completions]
-    return [1.0 if ln and ln[-1] == str(a).strip() else 0.0 for ln, a in zip(lines, answers)]
-
-
-def load_reward_funcs(spec):
-    """'module:function,module:function' (or a bare name defined in this file) -> callables."""
-    import importlib
-    funcs = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        module, _, name = item.rpartition(":")
-        try:
-            funcs.append(getattr(importlib.import_module(module) if module else sys.modules[__name__], name))
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"--reward_funcs {item!r}: cannot import ({e}); write module:function, "
-                             f"with the module on PYTHONPATH") from e
-    return funcs
-
-
-def load_jsonl(path, num_eval, seed):
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    bad = [i for i, r in enumerate(rows) if "prompt" not in r]
-    if bad:
-        raise ValueError(f"{path}: lines {bad[:5]} have no \"prompt\" key; "
-                         "each line is {\"prompt\": ..., \"answer\": ...}")
-    random.Random(seed).shuffle(rows)
-    if len(rows) <= num_eval:
-        raise ValueError(f"{path} has {len(rows)} rows, not more than num_eval_prompts={num_eval}; lower it")
-    return rows[num_eval:], rows[:num_eval]
-
-
-def batch_rows(rows, step, n, seed):
-    """The n prompts of global step `step`: a fixed seeded order per epoch, so resume sees the same data."""
-    out, start = [], step * n
-    while len(out) < n:
-        epoch, offset = divmod(start + len(out), len(rows))
-        order = list(range(len(rows)))
-        random.Random(seed * 1000003 + epoch).shuffle(order)
-        out += [rows[i] for i in order[offset:offset + n - len(out)]]
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Configuration
-# ----------------------------------------------------------------------------------------------
+# ---- Configuration -------------------------------------------------------------------------------
 @dataclass
 class Args:
     model: str = field(default="", metadata={"help": "actor hub id or path; empty: tiny model from scratch"})
@@ -286,30 +218,18 @@ def parse_args(argv=None):
             import peft  # noqa: F401  (optional: only LoRA runs need it)
         except ImportError:
             raise SystemExit("--lora_r needs peft: pip install peft") from None
-    args.funcs = [] if args.reward_model else load_reward_funcs(
-        args.reward_funcs or ("format_reward,correct_reward" if not args.data else "exact_match_reward"))
-    weights = args.reward_weights or ("0.25,0.75" if not (args.data or args.reward_funcs or args.reward_model) else "")
-    args.weights = [float(w) for w in weights.split(",")] if weights else [1.0] * len(args.funcs)
-    if len(args.weights) != len(args.funcs):
-        raise SystemExit(f"--reward_weights has {len(args.weights)} values for {len(args.funcs)} reward functions")
+    if args.reward_model and args.reward_weights:
+        raise SystemExit("--reward_weights weighs reward functions; a --reward_model's score has none")
+    try:
+        args.funcs, args.weights = ([], []) if args.reward_model else \
+            reward_functions(args.reward_funcs, args.reward_weights, args.data)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     args.batch_size = args.prompts_per_rank * args.num_generations  # completions per rank per step
     return args
 
 
-# ----------------------------------------------------------------------------------------------
-# Rollout pieces: tokenise, generate, score
-# ----------------------------------------------------------------------------------------------
-def encode_prompts(tokenizer, rows, max_prompt_length):
-    """Token-id lists (no padding); the chat template is applied when the tokenizer has one."""
-    if tokenizer.chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                               add_generation_prompt=True) for r in rows]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer([r["prompt"] for r in rows])["input_ids"]
-    return [i[-max_prompt_length:] for i in ids]
-
-
+# ---- Rollout: generate, score (batching.py encodes and pads, tasks.py has the rule rewards) ------
 def generate(engine, tokenizer, prompt_ids, args, num_generations):
     """G completions of each prompt, prompt-major, from the actor (HF generate)."""
     from generation import generate_hf, unwrap_for_generation
@@ -332,33 +252,10 @@ def score(args, rows, completions, num_generations, batch, plan, reward_model, d
                 if idx is not None:
                     out[idx] = logits[:, 0].float().cpu()
         return out, {}
-    prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
-    answers = [r.get("answer", "") for r in rows for _ in range(num_generations)]
-    per_func = {}
-    for f in args.funcs:
-        values = f(prompts, completions, answers)
-        if len(values) != len(completions):
-            raise ValueError(f"reward {f.__name__} returned {len(values)} values for {len(completions)} completions")
-        per_func[f.__name__] = torch.tensor([float(v) for v in values])  # (B,)
-    total = sum(w * r for w, r in zip(args.weights, per_func.values()))  # (B,)
-    return total, per_func
+    return score_completions(args.funcs, args.weights, rows, completions, num_generations)
 
 
-def make_batch(prompt_ids, gens, pad_id):
-    """Left-padded prompts + right-padded completions: input_ids, attention_mask (B, P + C)."""
-    G = gens.completion_ids.shape[0] // len(prompt_ids)
-    rows = [p for p in prompt_ids for _ in range(G)]
-    P = max(len(p) for p in rows)
-    prompt = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in rows])  # (B, P)
-    prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows])  # (B, P)
-    return {"input_ids": torch.cat([prompt, gens.completion_ids], 1),  # (B, T)
-            "attention_mask": torch.cat([prompt_mask, gens.completion_mask], 1),  # (B, T)
-            "completion_mask": gens.completion_mask}  # (B, C)
-
-
-# ----------------------------------------------------------------------------------------------
-# The critic, packing, and the forwards that score a micro-batch (padded or packed)
-# ----------------------------------------------------------------------------------------------
+# ---- The critic, packing, and the forwards that score a micro-batch (padded or packed) -----------
 class Critic(torch.nn.Module):
     """A causal LM's body + a scalar value head: forward -> (B, T) fp32 values, one per position."""
 
@@ -408,42 +305,18 @@ def pack(mb):
     return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(where)
 
 
-def packed_logps(model, ids, pos, where, temperature, return_entropy=False):
-    """logprobs.model_logps for a packed row: (M,) log-probs (and entropies) of the tokens after
-    `where`, through fused_logps inside lm_head's forward (so ZeRO-3 gathers lm_head as usual)."""
-    from logprobs import fused_logps
-    module = getattr(model, "module", model)  # DeepSpeed engine -> its module
-    lm_head = module.get_output_embeddings()
-    targets = ids[0, where + 1]  # (M,)
-
-    def fused_forward(hidden_states):  # (1, N, H): logits_to_keep=0 keeps every position
-        out = fused_logps(hidden_states[0, where], lm_head.weight, targets, lm_head.bias, temperature,
-                          return_entropy=return_entropy)  # (M,) or ((M,), (M,))
-        return torch.stack(out, -1) if return_entropy else out  # (M, 2) or (M,): one tensor for the hooks
-
-    saved = lm_head.__dict__.get("forward")
-    lm_head.forward = fused_forward
-    try:
-        out = model(input_ids=ids, position_ids=pos, attention_mask=None, logits_to_keep=0,
-                    use_cache=False).logits  # (M,) or (M, 2)
-    finally:
-        if saved is None:
-            del lm_head.forward
-        else:
-            lm_head.forward = saved
-    return (out[:, 0], out[:, 1]) if return_entropy else out
-
-
 def forward_logps(model, mb, temperature, packing, device, return_entropy=False):
     """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed."""
     from logprobs import model_logps
     if not packing:
         return model_logps(model, mb["input_ids"].to(device), mb["attention_mask"].to(device), mb["logits_to_keep"],
                            temperature=temperature, return_entropy=return_entropy)  # (b, c)
-    ids, pos, where = pack(mb)
-    out = packed_logps(model, ids.to(device), pos.to(device), where.to(device), temperature, return_entropy)
-    cm = mb["completion_mask"]
-    return (unpack(out[0], cm), unpack(out[1], cm)) if return_entropy else unpack(out, cm)
+    ids, pos, where = pack(mb)  # (1, N), (1, N), (M,)
+    out = model_logps(model, ids.to(device), None, ids.shape[1] - 1, temperature=temperature,
+                      return_entropy=return_entropy, position_ids=pos.to(device))  # (1, N - 1): token j + 1 at j
+    cm, where = mb["completion_mask"], where.to(device)
+    return (unpack(out[0][0, where], cm), unpack(out[1][0, where], cm)) if return_entropy \
+        else unpack(out[0, where], cm)  # (b, c)
 
 
 def forward_values(critic, mb, packing, device):
@@ -464,35 +337,7 @@ def unpack(flat, completion_mask):
     return out.masked_scatter(completion_mask.bool().to(flat.device), flat)
 
 
-# ----------------------------------------------------------------------------------------------
-# Micro-batches, rollout scoring and the update
-# ----------------------------------------------------------------------------------------------
-def plan_micro_batches(batch, micro_train_batch_size):
-    """Index tensors over this rank's B sequences, the same number on every rank (ZeRO-3 forwards
-    and backwards are collectives); a rank short of micro-batches gets None (a zero-weight repeat)."""
-    import torch.distributed as dist
-    plan = list(torch.arange(batch["input_ids"].shape[0]).split(micro_train_batch_size))
-    n = torch.tensor(len(plan), device=comm_device())
-    if dist.is_initialized():
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return plan + [None] * (int(n) - len(plan))
-
-
-def micro_slice(batch, idx):
-    """Rows `idx`, with all-padding columns cut: left prompt padding and completion tail."""
-    C = batch["completion_mask"].shape[1]
-    am = batch["attention_mask"][idx]  # (b, T)
-    c = max(int(batch["completion_mask"][idx].sum(1).max()), 1)
-    start = int(am[:, :-C].any(0).float().argmax()) if am.shape[1] > C else 0
-    end = am.shape[1] - C + c
-    out = {"input_ids": batch["input_ids"][idx, start:end], "attention_mask": am[:, start:end],  # (b, t)
-           "completion_mask": batch["completion_mask"][idx, :c], "logits_to_keep": c}  # (b, c)
-    for key in ("old_logps", "values", "advantages", "returns"):
-        value = batch.get(key)
-        out[key] = None if value is None else value[idx, :c]
-    return out
-
-
+# ---- Micro-batches, rollout scoring and the update -----------------------------------------------
 @torch.no_grad()
 def rollout_forwards(scorers, batch, plan):
     """{name: (B, C)} from each scorer fn(micro-batch) -> (b, c), micro-batch by micro-batch with the
@@ -553,41 +398,7 @@ def train_on_batch(actor, critic, batch, plan, args, device):
     return sums
 
 
-# ----------------------------------------------------------------------------------------------
-# Evaluation, logging helpers
-# ----------------------------------------------------------------------------------------------
-def peak_memory_gb(device):
-    """Peak since the last call, then reset: GPU memory allocated, or on CPU the process's resident set
-    (Linux VmHWM, reset through /proc/self/clear_refs; elsewhere the never-reset ru_maxrss)."""
-    if device.type == "cuda":
-        gb = torch.cuda.max_memory_allocated(device) / 2**30
-        torch.cuda.reset_peak_memory_stats(device)
-        return gb
-    try:
-        with open("/proc/self/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # "5" resets the high-water mark to the current RSS
-        return kib / 2**20
-    except OSError:
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux, bytes on macOS
-
-
-def comm_device():
-    """Where a collective's tensors must live: the current GPU under NCCL, else the CPU."""
-    import torch.distributed as dist
-    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-
-
-def all_sum(values):
-    import torch.distributed as dist
-    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    dist.all_reduce(t)
-    return t.tolist()
-
-
+# ---- Evaluation ----------------------------------------------------------------------------------
 def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
     """Held-out mean score and accuracy (0 with a reward model): one sampled completion per prompt."""
     if not rows:
@@ -605,29 +416,7 @@ def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
     return reward_sum / n, solved_sum / n
 
 
-def plot_curves(run_dir):
-    """score, value loss and KL per step from metrics.jsonl to curves.png."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
-    panels = [(0, "reward", "train score", "-"), (0, "eval/reward", "held-out score", "o-"),
-              (1, "value_loss", "value loss", "-"), (2, "kl", "KL to reference", "-")]
-    for i, key, label, style in panels:
-        have = [r for r in rows if key in r]
-        axes[i].plot([r["step"] for r in have], [r[key] for r in have], style, label=label)
-        axes[i].set_xlabel("step")
-        axes[i].legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------------------------
-# The loop
-# ----------------------------------------------------------------------------------------------
+# ---- The loop ------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
     import deepspeed
@@ -638,29 +427,14 @@ def main(argv=None):
     from zero3_utils import frozen_engine, gathered, load_ds_config, save_hf
 
     # 1. setup --------------------------------------------------------------------------------
-    import warnings  # DeepSpeed 0.19 calls c10d APIs that torch 2.13 deprecates, on every collective
-    warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed", category=FutureWarning)
-    cuda = torch.cuda.is_available()
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
+    cuda = device.type == "cuda"
     say = print if rank == 0 else (lambda *a, **k: None)
     os.makedirs(args.run_dir, exist_ok=True)
 
     # 2. data and models ----------------------------------------------------------------------
-    if args.data:
-        train_rows, eval_rows = load_jsonl(args.data, args.num_eval_prompts, args.seed)
-    else:
-        train_rows, eval_rows = default_task(args.num_eval_prompts, args.seed)
-    model_path = args.model
-    if not model_path:  # the default task trains a tiny model from scratch, vocabulary = its characters
-        model_path = os.path.join(args.run_dir, "model")
-        if rank == 0 and not os.path.exists(os.path.join(model_path, "config.json")):
-            from tiny_models import build_tiny
-            build_tiny(model_path, hidden_size=128, num_layers=2, chars=TASK_CHARS, seed=args.seed)
-        dist.barrier()
+    train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)
+    model_path = task_model(args.model, args.run_dir, rank, args.seed)  # no --model: a tiny one from scratch
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -726,30 +500,13 @@ def main(argv=None):
         critic_engine.load_checkpoint(os.path.join(ckpt_dir, "critic"))
         start_step = client["step"]
         say(f"resumed from {ckpt_dir} at step {start_step}")
-    if rank == 0:  # what ran: the script itself and the resolved arguments
-        with open(__file__) as src, open(os.path.join(args.run_dir, "ppo.py"), "w") as dst:
-            dst.write(src.read())
-        with open(os.path.join(args.run_dir, "args.json"), "w") as f:
-            json.dump({**{k: v for k, v in vars(args).items() if k != "funcs"}, "world_size": world,
-                       "ds_config_resolved": ds_config(args.learning_rate)}, f, indent=1)
-    wandb = None
-    if args.report_to == "wandb" and rank == 0:
-        import wandb
-        os.environ.setdefault("WANDB_MODE", "offline")
-        wandb.init(project="lean-rl", dir=args.run_dir, config={k: v for k, v in vars(args).items() if k != "funcs"})
-    metrics_file = open(os.path.join(args.run_dir, "metrics.jsonl"), "a") if rank == 0 else None
-
-    def record(row):
-        if rank == 0:
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-            if wandb:
-                wandb.log(row, step=row["step"])
+    log = RunLog(args.run_dir, __file__, {k: v for k, v in vars(args).items() if k != "funcs"}, rank, args.report_to,
+                 extra={"world_size": world, "ds_config_resolved": ds_config(args.learning_rate)})
 
     def held_out(step, when):
         reward, acc = evaluate(engine, reward_model, tokenizer, eval_rows, args, rank, world, device)
         say(f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} prompts)")
-        record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
+        log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
     def ref_logps(mb):  # the frozen reference, or the actor itself with its LoRA adapters switched off
@@ -801,9 +558,8 @@ def main(argv=None):
         totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
         rollout = all_sum([(kl * mask).sum().item(), mask.sum().item(), (batch["values"] * mask).sum().item(),
                            (batch["returns"] * mask).sum().item()])
-        gathered_rows = [torch.zeros(len(scores), 2 + len(per_func)) for _ in range(world)]
-        dist.all_gather(gathered_rows, torch.stack([scores, mask.sum(1).float(), *per_func.values()], 1))
-        allr = torch.cat(gathered_rows)  # (world * B, 2 + F): score, completion length, each function
+        allr = all_cat(torch.stack([scores, mask.sum(1).float(), *per_func.values()], 1))
+        # (world * B, 2 + F): score, completion length, each function
         dt = time.time() - t0
         row = {"step": step + 1, "reward": allr[:, 0].mean().item(), "reward_std": allr[:, 0].std().item(),
                "kl": rollout[0] / rollout[1], "value_mean": rollout[2] / rollout[1],
@@ -817,7 +573,7 @@ def main(argv=None):
                **{f"rewards/{name}/mean": allr[:, 2 + j].mean().item() for j, name in enumerate(per_func)}}
         if per_func:
             row["accuracy"] = (allr[:, 2:] >= 1).all(1).float().mean().item()
-        record(row)
+        log.record(row)
         bar.set_postfix(reward=f"{row['reward']:.3f}", vf=f"{row['value_loss']:.3f}")
         if rank == 0:
             bar.write(f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} kl {row['kl']:.4f} "
@@ -844,11 +600,8 @@ def main(argv=None):
             dist.barrier()
         else:
             save_hf(engine, tokenizer, final)
-    if rank == 0:
-        metrics_file.close()
-        plot_curves(args.run_dir)
-        if wandb:
-            wandb.finish()
+    log.close(panels=[[("reward", "train score", "-"), ("eval/reward", "held-out score", "o-")],
+                      [("value_loss", "value loss", "-")], [("kl", "KL to reference", "-")]])
     dist.barrier()
     dist.destroy_process_group()
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from ppo import build_critic, forward_logps, forward_values, micro_slice, plan_micro_batches, policy_loss, \
-    train_on_batch, value_loss
+from batching import micro_slice, plan_micro_batches
+from ppo import build_critic, forward_logps, forward_values, policy_loss, train_on_batch, value_loss
 from zero3_utils import gathered
 
 model_dir = sys.argv[1]

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT, free_port
-from ppo import TASK_CHARS
+from tasks import TASK_CHARS
 from tiny_models import build_tiny
 
 SMALL = ["--prompts_per_rank", "4", "--num_generations", "2", "--num_eval_prompts", "8",
