@@ -38,12 +38,14 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from batching import all_cat, all_sum, encode_prompts, init_distributed, make_batch, micro_slice, plan_micro_batches
-from runlog import RunLog, peak_memory_gb
+from memory import MemoryLedger
+from runlog import RunLog
 from tasks import batch_rows, load_data, reward_functions, score_completions, task_model
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
@@ -180,6 +182,8 @@ class Args:
     resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir"})
     save_model: bool = field(default=True, metadata={"help": "write the final HF model to <run_dir>/final"})
     report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
+    estimate_memory: bool = field(default=False, metadata={"help": "print memory.py's per-phase, per-GPU estimate "
+                                                                   "for these args (WORLD_SIZE from env) and exit"})
 
 
 def parse_args(argv=None):
@@ -233,8 +237,9 @@ def batch_logps(model, batch, plan, temperature, device):
     return out
 
 
-def train_on_batch(engine, batch, plan, args, normalizer, device):
+def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
     """Forward/backward every micro-batch, then ONE optimizer step; returns summed metrics.
+    With a MemoryLedger, the two are its "update" and "optimizer_step" phases.
 
     `normalizer` is the whole batch's (all micro-batches, all ranks). DeepSpeed divides each loss
     by gradient_accumulation_steps (scale_wrt_gas) and averages gradients over data-parallel
@@ -242,28 +247,31 @@ def train_on_batch(engine, batch, plan, args, normalizer, device):
     applies exactly the gradient of the full-batch loss, however it is split.
     """
     from logprobs import model_logps
-    world = engine.dp_world_size
-    sums = {}
-    for i, idx in enumerate(plan):
-        mb = micro_slice(batch, plan[0] if idx is None else idx)
-        engine.set_gradient_accumulation_boundary(i == len(plan) - 1)  # we decide where the step is
-        # through engine.forward, not engine.module: ZeRO-3 counts micro-steps there, and without
-        # that count every backward overwrites (not accumulates) the gradient partitions
-        logps, entropy = model_logps(engine, mb["input_ids"].to(device), mb["attention_mask"].to(device),
-                                     mb["logits_to_keep"], temperature=args.temperature, return_entropy=True)  # (b, c)
-        to = lambda key: None if mb.get(key) is None else mb[key].to(device)  # noqa: E731
-        loss, metrics = grpo_loss(logps, to("old_logps"), to("ref_logps"), to("advantages"),
-                                  to("completion_mask"), beta=args.beta, epsilon_low=args.epsilon_low,
-                                  epsilon_high=args.epsilon_high, loss_type=args.loss_type, normalizer=normalizer,
-                                  is_weights=to("is_weights"))
-        weight = 0.0 if idx is None else 1.0  # a padding micro-batch only keeps the collectives in step
-        engine.backward(loss * weight * world, scale_wrt_gas=False)
-        if idx is not None:
-            metrics["entropy"] = (entropy.detach() * to("completion_mask")).sum()
-            metrics["loss"] = loss.detach()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-    engine.step()
+    world, sums = engine.dp_world_size, {}
+    phase = ledger.phase if ledger else lambda name: nullcontext()
+    with phase("update"):
+        for i, idx in enumerate(plan):
+            mb = micro_slice(batch, plan[0] if idx is None else idx)
+            engine.set_gradient_accumulation_boundary(i == len(plan) - 1)  # we decide where the step is
+            # through engine.forward, not engine.module: ZeRO-3 counts micro-steps there, and without
+            # that count every backward overwrites (not accumulates) the gradient partitions
+            logps, entropy = model_logps(engine, mb["input_ids"].to(device), mb["attention_mask"].to(device),
+                                         mb["logits_to_keep"], temperature=args.temperature,
+                                         return_entropy=True)  # (b, c)
+            to = lambda key: None if mb.get(key) is None else mb[key].to(device)  # noqa: E731
+            loss, metrics = grpo_loss(logps, to("old_logps"), to("ref_logps"), to("advantages"),
+                                      to("completion_mask"), beta=args.beta, epsilon_low=args.epsilon_low,
+                                      epsilon_high=args.epsilon_high, loss_type=args.loss_type, normalizer=normalizer,
+                                      is_weights=to("is_weights"))
+            weight = 0.0 if idx is None else 1.0  # a padding micro-batch only keeps the collectives in step
+            engine.backward(loss * weight * world, scale_wrt_gas=False)
+            if idx is not None:
+                metrics["entropy"] = (entropy.detach() * to("completion_mask")).sum()
+                metrics["loss"] = loss.detach()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+    with phase("optimizer_step"):
+        engine.step()
     return sums
 
 
@@ -283,8 +291,41 @@ def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
 
 
 # ---- The loop --------------------------------------------------------------------------------
+def estimate_run_memory(args):
+    """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args, no weights loaded."""
+    from memory import PRESETS, print_estimate
+    from tasks import TASK_CHARS
+    from tiny_models import llama_config
+    if not args.model:  # the built-in task's tiny model (tasks.task_model)
+        config = llama_config(len(TASK_CHARS) + 4, hidden_size=128, num_layers=2).to_dict()
+    elif args.model.lower() in PRESETS or os.path.exists(args.model):
+        config = args.model
+    else:
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(args.model)
+    with open(args.ds_config) as f:
+        ds = json.load(f)
+    zero, cuda = ds.get("zero_optimization", {}), torch.cuda.is_available()
+    S = args.max_prompt_length + args.max_completion_length
+    micro = min(args.per_device_train_batch_size, args.batch_size)
+    return print_estimate(
+        config, torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 80.0,
+        world_size=int(os.environ.get("WORLD_SIZE", 1)), zero_stage=zero.get("stage", 0),
+        offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") != "none",
+        offload_params=zero.get("offload_param", {}).get("device", "none") != "none",
+        dtype="bf16" if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else "fp32",
+        gradient_checkpointing=args.gradient_checkpointing, seq_len=S, completion_len=args.max_completion_length,
+        micro_batch_size=max(1, args.max_tokens_per_microbatch // S) if args.max_tokens_per_microbatch else micro,
+        num_generations=args.num_generations, prompts_per_rank=args.prompts_per_rank, use_vllm=args.use_vllm,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization, gather_for_generation=args.gather_for_generation,
+        generation_batch_size=args.generation_batch_size, reference_model=args.beta > 0, ref_offload=args.ref_offload,
+        fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False))
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.estimate_memory:  # pre-flight: no process group, no weights
+        return estimate_run_memory(args)
     import deepspeed
     import torch.distributed as dist
     from tqdm import tqdm
@@ -353,38 +394,44 @@ def main(argv=None):
         log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
+    ledger = MemoryLedger(device)  # peak memory per phase: CUDA allocated, or this process's RSS on CPU
     t_start = time.time()
     first = held_out(start_step, f"step {start_step}") if args.num_eval_prompts else float("nan")
     G, N = args.num_generations, args.prompts_per_rank
     bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="grpo")
     for step in bar:
-        t0, mem = time.time(), {}
+        t0 = time.time()
         torch.manual_seed(args.seed * 7919 + step * world + rank)  # sampling replays exactly on resume
 
         # 3. rollout: whole groups on this rank ----------------------------------------------
         rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N:(rank + 1) * N]
         prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length)
         if vllm is not None:
-            vllm.sync_weights(engine)
-        gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
-        completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
-        rewards, per_func = score_completions(args.funcs, args.weights, rows, completions, G)  # (B,)
+            with ledger.phase("weight_sync"):
+                vllm.sync_weights(engine)
+        with ledger.phase("rollout"):
+            gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
+            completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
+            rewards, per_func = score_completions(args.funcs, args.weights, rows, completions, G)  # (B,)
 
-        # 4. advantages on whole groups -----------------------------------------------------
-        batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
-        batch["advantages"] = group_advantages(rewards, G, scale=args.scale_rewards)  # (B,)
-        mem["rollout"], t_rollout = peak_memory_gb(device), time.time() - t0
+            # 4. advantages on whole groups -------------------------------------------------
+            batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
+            batch["advantages"] = group_advantages(rewards, G, scale=args.scale_rewards)  # (B,)
+        t_rollout = time.time() - t0
 
         # 5. old and reference log-probs, no grad, micro-batch by micro-batch ----------------
         plan = plan_micro_batches(batch, micro, args.max_tokens_per_microbatch)
-        need_old = args.num_iterations > 1 or args.vllm_importance_cap > 0
-        batch["old_logps"] = batch_logps(engine.module, batch, plan, args.temperature, device) if need_old else None
-        batch["ref_logps"] = batch_logps(ref.module, batch, plan, args.temperature, device) if ref else None
+        batch["old_logps"] = batch["ref_logps"] = None
+        if args.num_iterations > 1 or args.vllm_importance_cap > 0:
+            with ledger.phase("old_logprobs"):
+                batch["old_logps"] = batch_logps(engine.module, batch, plan, args.temperature, device)
+        if ref is not None:
+            with ledger.phase("ref_logprobs"):
+                batch["ref_logps"] = batch_logps(ref.module, batch, plan, args.temperature, device)
         if args.vllm_importance_cap > 0:  # vLLM sampled these tokens; the trainer scores them a bit differently
             gap = (batch["old_logps"] - gens.logprobs) * gens.completion_mask  # (B, C)
             batch["is_weights"] = torch.exp(gap).clamp(max=args.vllm_importance_cap)  # (B, C)
             sums_is = all_sum([(torch.exp(gap) * gens.completion_mask).sum().item(), gens.completion_mask.sum().item()])
-        mem["logprobs"] = peak_memory_gb(device)
 
         # 6. update: micro-batches, accumulation, one optimizer step per iteration -----------
         t1 = time.time()
@@ -392,15 +439,15 @@ def main(argv=None):
                     for i in plan if i is not None)
         (normalizer,) = all_sum([local])
         for _ in range(args.num_iterations):
-            sums = train_on_batch(engine, batch, plan, args, normalizer, device)
-        mem["update"], t_update = peak_memory_gb(device), time.time() - t1
+            sums = train_on_batch(engine, batch, plan, args, normalizer, device, ledger)  # update, optimizer_step
+        t_update = time.time() - t1
 
         # 7. logging and saving --------------------------------------------------------------
         keys = sorted(sums)
         totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
         allr = all_cat(torch.stack([rewards, gens.completion_mask.sum(1).float(), *per_func.values()], 1))
         # (world * B, 2 + F): total reward, completion length, each function
-        dt = time.time() - t0
+        dt, mem_line = time.time() - t0, ledger.line()
         row = {"step": step + 1, "reward": allr[:, 0].mean().item(), "reward_std": allr[:, 0].std().item(),
                "accuracy": (allr[:, 2:] >= 1).all(1).float().mean().item(), "loss": totals["loss"],
                "completion_len": allr[:, 1].mean().item(), "completion_len_max": allr[:, 1].max().item(),
@@ -409,7 +456,7 @@ def main(argv=None):
                "clip_frac": (totals["clip_low"] + totals["clip_high"]) / totals["tokens"],
                "lr": engine.get_lr()[0], "tokens_per_s": allr[:, 1].sum().item() / dt, "step_s": dt,
                "rollout_s": t_rollout, "update_s": t_update, "elapsed_s": time.time() - t_start,
-               **{f"peak_mem_gb/{k}": v for k, v in mem.items()},
+               **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
                **{f"rewards/{name}/{stat}": getattr(allr[:, 2 + j], stat)().item()
                   for j, name in enumerate(per_func) for stat in ("mean", "std")}}
         if args.vllm_importance_cap > 0:  # how far vLLM's log-probs are from the trainer's (1 = identical)
@@ -419,7 +466,7 @@ def main(argv=None):
         if rank == 0:
             bar.write(f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} acc {row['accuracy']:.2f} "
                       f"len {row['completion_len']:.1f} entropy {row['entropy']:.2f} clip {row['clip_frac']:.3f}"
-                      + (f" kl {row['kl']:.4f}" if "kl" in row else "") + f" {dt:.2f}s")
+                      + (f" kl {row['kl']:.4f}" if "kl" in row else "") + f" {dt:.2f}s | {mem_line}")
         if args.save_steps and (step + 1) % args.save_steps == 0:
             engine.save_checkpoint(ckpt_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
         if args.eval_steps and eval_rows and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
@@ -430,6 +477,10 @@ def main(argv=None):
         last = held_out(args.max_steps, "end")
         say(f"held-out reward: start {first:.3f} -> end {last:.3f} in {time.time() - t_start:.0f}s "
             f"({args.max_steps - start_step} steps)")
+    mem = ledger.summary()  # rank 0's peaks; the highest phase is where to look first when memory runs out
+    say(mem["text"])
+    log.record({"step": args.max_steps, "mem/highest_phase": mem["highest"],
+                **{f"mem/run_peak/{k}": v for k, v in mem["peak_gb"].items()}})
     if args.save_model:
         save_hf(engine, tokenizer, os.path.join(args.run_dir, "final"))
     right = ("kl", "KL to reference", "-") if args.beta > 0 else ("entropy", "entropy", "-")  # beta 0: no KL

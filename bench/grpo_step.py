@@ -61,8 +61,8 @@ def run(name, ds_config, extra, steps, tmp, nproc):
         rows = [r for r in map(json.loads, f) if "step_s" in r][1:]  # drop the warm-up step
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     return [name, f"{med('step_s'):.2f}", f"{med('rollout_s'):.2f}", f"{med('update_s'):.2f}",
-            f"{med('tokens_per_s'):.0f}", *(f"{med(f'peak_mem_gb/{p}'):.2f}"
-                                            for p in ("rollout", "logprobs", "update"))]
+            f"{med('tokens_per_s'):.0f}", *(f"{med(f'mem/{p}'):.2f}"
+                                            for p in ("rollout", "update", "optimizer_step"))]
 
 
 def main():
@@ -74,8 +74,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run(*c, a.steps, tmp, nproc) for c in configs(tmp)]
     print(f"\n{device}, {nproc} processes, median of {a.steps - 1} steps\n")
-    head = ["config", "s/step", "rollout s", "update s", "completion tok/s", "peak GB rollout", "peak GB logprobs",
-            "peak GB update"]
+    head = ["config", "s/step", "rollout s", "update s", "completion tok/s", "peak GB rollout", "peak GB update",
+            "peak GB optimizer step"]
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for r in rows:
         print("| " + " | ".join(r) + " |")

@@ -148,3 +148,21 @@ def test_bad_input_fails_with_a_message_that_says_what_to_change():
     args = parse_args(["--reward_funcs", "tasks:correct_reward", "--data", "x.jsonl"])
     assert [f.__name__ for f in args.funcs] == ["correct_reward"] and args.weights == [1.0]
     # the task, rewards, JSONL data and data order: tests/test_tasks.py
+
+
+def test_estimate_memory_flag_prints_the_estimate_and_exits(capsys, monkeypatch):
+    """--estimate_memory: memory.py's table for the run's args (no process group, no weights)."""
+    from conftest import ROOT
+    from grpo import main
+    from memory import GB
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = os.path.join(ROOT, "configs", "zero3_offload.json")
+    est = main(["--estimate_memory", "True", "--model", "qwen2.5-7b", "--ds_config", cfg, "--dtype", "bf16",
+                "--max_completion_length", "1024", "--gradient_checkpointing", "True", "--beta", "0.04"])
+    out = capsys.readouterr().out
+    assert "update" in out and "ref_logprobs" in out and "highest phase" in out
+    p = est["pieces"]  # zero3_offload.json: both offloads; 4 ranks from WORLD_SIZE
+    assert p["optimizer"] == 0 and p["params"] == 0 and est["cpu"] > 0
+    assert p["activations"] == p["activations_ckpt"] and p["reference"] == 2 * est["params"] // 4
+    tiny = main(["--estimate_memory", "True", "--max_prompt_length", "8"])  # the built-in task's tiny model
+    assert 0 < max(tiny["phases"].values()) < 0.1 * GB  # the estimate takes prompts at their longest

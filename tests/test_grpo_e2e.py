@@ -50,7 +50,8 @@ def test_zero3_hf_checkpoint_and_resume(tmp_path):
                  "checkpoints/latest"):
         assert (a / name).exists(), name
     assert json.load(open(a / "args.json"))["ds_config_resolved"]["zero_optimization"]["stage"] == 3
-    assert full[0]["peak_mem_gb/update"] > 0 and full[0]["tokens_per_s"] > 0
+    assert full[0]["mem/update"] > 0 and full[0]["tokens_per_s"] > 0
+    assert {"mem/rollout", "mem/optimizer_step"} <= set(full[0]) and "peak memory (peak RSS" in out  # ledger
 
     # resume a copy of the run from its step-2 checkpoint: step 3 must come out the same
     b.mkdir()
@@ -74,6 +75,7 @@ def test_zero2_vllm_reference_iterations(tmp_path):
                  env={"RUN_DIR": str(tmp_path / "r"), "DS_CONFIG": "configs/zero2.json"})
     rows = train_rows(tmp_path / "r")
     assert [r["step"] for r in rows] == [1, 2]
+    assert {f"mem/{p}" for p in ("weight_sync", "rollout", "old_logprobs", "ref_logprobs", "update")} <= set(rows[0])
     for r in rows:
         assert r["kl"] > 0  # the second iteration has moved away from the reference
         assert r["ratio"] != 1.0  # ... and from the old policy
