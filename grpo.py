@@ -388,6 +388,7 @@ def main(argv=None):
 
     def held_out(step, when):
         if vllm is not None:
+            vllm.wake_up()
             vllm.sync_weights(engine)
         reward, acc = evaluate(engine, vllm, tokenizer, eval_rows, args, rank, world)
         say(f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} prompts)")
@@ -408,9 +409,12 @@ def main(argv=None):
         prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length)
         if vllm is not None:
             with ledger.phase("weight_sync"):
+                vllm.wake_up()  # KV cache and weights back from sleep (no-op where sleep is unsupported)
                 vllm.sync_weights(engine)
         with ledger.phase("rollout"):
             gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
+            if vllm is not None:
+                vllm.sleep()  # free vLLM's KV cache while the trainer works (GPU; a logged no-op on CPU)
             completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
             rewards, per_func = score_completions(args.funcs, args.weights, rows, completions, G)  # (B,)
 

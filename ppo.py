@@ -51,7 +51,8 @@ import torch
 
 from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distributed, make_batch, micro_slice,
                       plan_micro_batches)
-from runlog import RunLog, peak_memory_gb
+from memory import MemoryLedger
+from runlog import RunLog
 from tasks import batch_rows, load_data, reward_functions, score_completions, task_model
 
 
@@ -524,23 +525,25 @@ def main(argv=None):
     first = held_out(start_step, f"step {start_step}") if args.num_eval_prompts else float("nan")
     G, N = args.num_generations, args.prompts_per_rank
     bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="ppo")
+    ledger = MemoryLedger(device)  # peak memory per phase: CUDA allocated, or this process's RSS on CPU
     for step in bar:
-        t0, mem = time.time(), {}
+        t0 = time.time()
         torch.manual_seed(args.seed * 7919 + step * world + rank)  # sampling replays exactly on resume
 
         # 3. rollout and scores ----------------------------------------------------------------
         rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N:(rank + 1) * N]
         prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length)
-        gens = generate(engine, tokenizer, prompt_ids, args, G)
-        completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
-        batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
-        plan = plan_micro_batches(batch, micro)
-        scores, per_func = score(args, rows, completions, G, batch, plan, reward_model, device)  # (B,)
-        mem["rollout"], t_rollout = peak_memory_gb(device), time.time() - t0
+        with ledger.phase("rollout"):
+            gens = generate(engine, tokenizer, prompt_ids, args, G)
+            completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
+            batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
+            plan = plan_micro_batches(batch, micro)
+            scores, per_func = score(args, rows, completions, G, batch, plan, reward_model, device)  # (B,)
+        t_rollout = time.time() - t0
 
         # 4. old log-probs, reference log-probs, values: no grad, micro-batch by micro-batch -------
-        batch.update(rollout_forwards(scorers, batch, plan))
-        mem["logprobs"] = peak_memory_gb(device)
+        with ledger.phase("logprobs"):
+            batch.update(rollout_forwards(scorers, batch, plan))
 
         # 5. per-token rewards, GAE, whitened advantages ------------------------------------------
         mask = batch["completion_mask"]  # (B, C)
@@ -550,8 +553,9 @@ def main(argv=None):
 
         # 6. update: ppo_epochs x mini-batches, micro-batches with accumulation ----------------------
         t1 = time.time()
-        sums = train_on_batch(engine, critic_engine, batch, plan, args, device)
-        mem["update"], t_update = peak_memory_gb(device), time.time() - t1
+        with ledger.phase("update"):
+            sums = train_on_batch(engine, critic_engine, batch, plan, args, device)
+        t_update = time.time() - t1
 
         # 7. logging and saving --------------------------------------------------------------
         keys = sorted(sums)
@@ -569,7 +573,7 @@ def main(argv=None):
                "completion_len": allr[:, 1].mean().item(), "lr": engine.get_lr()[0],
                "tokens_per_s": allr[:, 1].sum().item() / dt, "step_s": dt, "rollout_s": t_rollout,
                "update_s": t_update, "elapsed_s": time.time() - t_start,
-               **{f"peak_mem_gb/{k}": v for k, v in mem.items()},
+               **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
                **{f"rewards/{name}/mean": allr[:, 2 + j].mean().item() for j, name in enumerate(per_func)}}
         if per_func:
             row["accuracy"] = (allr[:, 2:] >= 1).all(1).float().mean().item()
@@ -590,6 +594,10 @@ def main(argv=None):
         last = held_out(args.max_steps, "end")
         say(f"held-out reward: start {first:.3f} -> end {last:.3f} in {time.time() - t_start:.0f}s "
             f"({args.max_steps - start_step} steps)")
+    mem = ledger.summary()  # rank 0's peaks; the highest phase is where to look first when memory runs out
+    say(mem["text"])
+    log.record({"step": args.max_steps, "mem/highest_phase": mem["highest"],
+                **{f"mem/run_peak/{k}": v for k, v in mem["peak_gb"].items()}})
     if args.save_model:
         final = os.path.join(args.run_dir, "final")
         if args.lora_r:  # the adapters only (load them onto the base model with peft)

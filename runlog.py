@@ -1,9 +1,9 @@
 """What a run leaves in its directory: the script and arguments that ran, metrics.jsonl (and wandb
-when asked), peak memory per phase, and curves.png.
+when asked), and curves.png. (Peak memory per phase: memory.py's MemoryLedger.)
 
-    from runlog import RunLog, peak_memory_gb
+    from runlog import RunLog
     log = RunLog(run_dir, __file__, vars(args), rank, report_to="none", extra={"world_size": world})
-    log.record({"step": 1, "reward": 0.5, "peak_mem_gb/update": peak_memory_gb(device)})
+    log.record({"step": 1, "reward": 0.5})
     log.close(panels=[[("reward", "train reward", "-"), ("eval/reward", "held-out reward", "o-")]])
 
 Only rank 0 writes; on other ranks every call does nothing. Imports no sibling file.
@@ -12,26 +12,6 @@ Only rank 0 writes; on other ranks every call does nothing. Imports no sibling f
 import json
 import os
 import shutil
-
-import torch
-
-
-def peak_memory_gb(device):
-    """Peak since the last call, then reset: GPU memory allocated, or on CPU the process's resident set
-    (Linux VmHWM, reset through /proc/self/clear_refs; elsewhere the never-reset ru_maxrss)."""
-    if device.type == "cuda":
-        gb = torch.cuda.max_memory_allocated(device) / 2**30
-        torch.cuda.reset_peak_memory_stats(device)
-        return gb
-    try:
-        with open("/proc/self/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # "5" resets the high-water mark to the current RSS
-        return kib / 2**20
-    except OSError:
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux, bytes on macOS
 
 
 class RunLog:

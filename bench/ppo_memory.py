@@ -96,7 +96,7 @@ def run(name, ds_config, extra, steps, tmp, nproc):
         rows = [r for r in map(json.loads, f) if "step_s" in r][1:]  # drop the warm-up step
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     return [name, f"{med('step_s'):.2f}", f"{med('rollout_s'):.2f}", f"{med('update_s'):.2f}",
-            *(f"{med(f'peak_mem_gb/{p}'):.2f}" for p in ("rollout", "logprobs", "update"))]
+            *(f"{med(f'mem/{p}'):.2f}" for p in ("rollout", "logprobs", "update"))]
 
 
 def main():
