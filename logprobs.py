@@ -176,7 +176,9 @@ def per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size
 
     Each mini-batch asks the model for only K + 1 positions' logits (`logits_to_keep`),
     drops the last (it predicts past the sequence), divides by the temperature and
-    gathers with selective_log_softmax. Peak memory: one (batch_size, K, V) logits block.
+    gathers with selective_log_softmax. Without gradients (reference / old log-probs) the
+    peak is one (batch_size, K, V) logits block; with gradients autograd keeps every
+    mini-batch's logits until backward (measured in README), so train with model_logps.
     batch_size=None scores all B at once.
     """
     _check_keep(input_ids, attention_mask, logits_to_keep)
