@@ -154,7 +154,7 @@ def selective_log_softmax(logits, index, chunk_size=None):
 # ----------------------------------------------------------------------------------
 
 
-def _position_ids(attention_mask):
+def positions_from_mask(attention_mask):
     """Positions that skip left padding, as HF generate assigns them. (B, T) -> (B, T)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
 
@@ -188,7 +188,7 @@ def per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size
     out = []
     for s in range(0, input_ids.shape[0], bs):
         ids, mask = input_ids[s : s + bs], attention_mask[s : s + bs]  # (b, T)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(mask),
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
                        logits_to_keep=K + 1, use_cache=False).logits  # (b, K + 1, V)
         logits = logits[:, :-1] / temperature  # (b, K, V)
         out.append(selective_log_softmax(logits, ids[:, -K:]))  # (b, K)
@@ -318,7 +318,7 @@ def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.
     """
     _check_keep(input_ids, attention_mask, logits_to_keep)
     if position_ids is None:
-        position_ids = _position_ids(torch.ones_like(input_ids) if attention_mask is None else attention_mask)
+        position_ids = positions_from_mask(torch.ones_like(input_ids) if attention_mask is None else attention_mask)
     module = getattr(model, "module", model)  # DeepSpeed engine -> its module
     config = getattr(module, "config", None)
     for knob in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):

@@ -51,6 +51,7 @@ import torch
 
 from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distributed, make_batch, micro_slice,
                       plan_micro_batches)
+from logprobs import model_logps, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import batch_rows, load_data, reward_functions, score_completions, task_model
@@ -249,7 +250,7 @@ def score(args, rows, completions, num_generations, batch, plan, reward_model, d
                 mb = micro_slice(batch, plan[0] if idx is None else idx)
                 am = mb["attention_mask"].to(device)  # (b, t)
                 logits = reward_model(input_ids=mb["input_ids"].to(device), attention_mask=am,
-                                      position_ids=position_ids(am), use_cache=False).logits  # (b, 1)
+                                      position_ids=positions_from_mask(am), use_cache=False).logits  # (b, 1)
                 if idx is not None:
                     out[idx] = logits[:, 0].float().cpu()
         return out, {}
@@ -285,11 +286,6 @@ def build_critic(path, from_reward_model, dtype, attn_implementation):
     return Critic(body, head)
 
 
-def position_ids(attention_mask):
-    """Positions that skip left padding, as HF generate and logprobs.py assign them. (B, T) -> (B, T)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
-
-
 def pack(mb):
     """One row without padding: the micro-batch's sequences back to back, positions restarting at 0 for
     each (transformers then masks attention per sequence). Returns input_ids (1, N), position_ids
@@ -308,7 +304,6 @@ def pack(mb):
 
 def forward_logps(model, mb, temperature, packing, device, return_entropy=False):
     """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed."""
-    from logprobs import model_logps
     if not packing:
         return model_logps(model, mb["input_ids"].to(device), mb["attention_mask"].to(device), mb["logits_to_keep"],
                            temperature=temperature, return_entropy=return_entropy)  # (b, c)
@@ -324,7 +319,7 @@ def forward_values(critic, mb, packing, device):
     """(b, c) values of the states before each completion token, padded or packed."""
     if not packing:
         am = mb["attention_mask"].to(device)  # (b, t)
-        values = critic(input_ids=mb["input_ids"].to(device), attention_mask=am, position_ids=position_ids(am))
+        values = critic(input_ids=mb["input_ids"].to(device), attention_mask=am, position_ids=positions_from_mask(am))
         c = mb["logits_to_keep"]
         return values[:, -c - 1:-1]  # (b, c)
     ids, pos, where = pack(mb)

@@ -1,5 +1,6 @@
 """Shared test fixtures: tiny offline models and a torchrun launcher for 2-process tests."""
 
+import json
 import os
 import socket
 import subprocess
@@ -52,3 +53,25 @@ def torchrun(script, *args, nproc=2, timeout=600, env=None):
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
                     f"\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_sh(algo, *args, env=None, timeout=600, wait=True):
+    """`bash run.sh <algo> args` on 2 CPU processes; its output (wait=False: the running Popen)."""
+    full_env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "NPROC": "2", **(env or {})}
+    proc = subprocess.Popen(["bash", "run.sh", algo, *map(str, args)], cwd=ROOT, env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return finish(proc, timeout) if wait else proc
+
+
+def finish(proc, timeout=600):
+    """Wait for a run_sh(..., wait=False) process; fail the test with its output if it failed."""
+    out, _ = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"run.sh exited {proc.returncode}\n{out[-8000:]}")
+    return out
+
+
+def train_rows(run_dir):
+    """The per-step training rows of a run's metrics.jsonl."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "reward" in r]

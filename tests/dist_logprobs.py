@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from logprobs import _position_ids, model_logps
+from logprobs import positions_from_mask, model_logps
 
 
 def naive_logps(model, ids, mask, K, temperature):
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(mask), use_cache=False).logits
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False).logits
     return (logits[:, -K - 1 : -1] / temperature).log_softmax(-1).gather(-1, ids[:, -K:, None]).squeeze(-1)
 
 
@@ -43,7 +43,7 @@ def step(model, stage, use_fused, ids, mask, K, gc):
         loss = -(logp * mask[:, -K:]).sum() / mask[:, -K:].sum() - 0.1 * entropy.mean()
     else:
         logp = naive_logps(engine, ids, mask, K, T)
-        logits = engine(input_ids=ids, attention_mask=mask, position_ids=_position_ids(mask), use_cache=False).logits
+        logits = engine(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False).logits
         lp_all = (logits[:, -K - 1 : -1] / T).log_softmax(-1)
         entropy = -(lp_all.exp() * lp_all).sum(-1)
         loss = -(logp * mask[:, -K:]).sum() / mask[:, -K:].sum() - 0.1 * entropy.mean()

@@ -9,35 +9,19 @@
 """
 
 import json
-import os
 import shutil
-import subprocess
 
 import pytest
 
-from conftest import ROOT, free_port
+import conftest
+from conftest import finish, free_port, train_rows
 
 SMALL = ["--prompts_per_rank", "2", "--num_generations", "4", "--num_eval_prompts", "8",
          "--per_device_train_batch_size", "4", "--eval_steps", "0"]
 
 
-def run_sh(*args, env=None, timeout=600, wait=True):
-    full_env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "NPROC": "2", **(env or {})}
-    proc = subprocess.Popen(["bash", "run.sh", "grpo", *args, *SMALL], cwd=ROOT, env=full_env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    return finish(proc, timeout) if wait else proc
-
-
-def finish(proc, timeout=600):
-    out, _ = proc.communicate(timeout=timeout)
-    if proc.returncode != 0:
-        pytest.fail(f"run.sh exited {proc.returncode}\n{out[-8000:]}")
-    return out
-
-
-def train_rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "reward" in r]
+def run_sh(*args, **kw):
+    return conftest.run_sh("grpo", *args, *SMALL, **kw)  # SMALL last: it wins over the test's args
 
 
 def test_zero3_hf_checkpoint_and_resume(tmp_path):

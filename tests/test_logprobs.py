@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from conftest import ROOT, torchrun
-from logprobs import _position_ids, fused_logps, model_logps, per_token_logps, selective_log_softmax
+from logprobs import positions_from_mask, fused_logps, model_logps, per_token_logps, selective_log_softmax
 
 
 def naive_from_logits(logits, index):
@@ -25,7 +25,7 @@ def naive_from_logits(logits, index):
 
 def naive_from_model(model, ids, mask, K, temperature=1.0):
     """Full (B, T, V) logits, same position ids as generation."""
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=_position_ids(mask), use_cache=False).logits
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False).logits
     return naive_from_logits(logits[:, -K - 1 : -1] / temperature, ids[:, -K:])
 
 

@@ -8,13 +8,12 @@
 """
 
 import json
-import os
 import shutil
-import subprocess
 
 import pytest
 
-from conftest import ROOT, free_port
+import conftest
+from conftest import train_rows
 from tasks import TASK_CHARS
 from tiny_models import build_tiny
 
@@ -22,18 +21,8 @@ SMALL = ["--prompts_per_rank", "4", "--num_generations", "2", "--num_eval_prompt
          "--micro_train_batch_size", "4", "--eval_steps", "0"]
 
 
-def run_sh(*args, env=None, timeout=600):
-    full_env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "NPROC": "2", **(env or {})}
-    proc = subprocess.run(["bash", "run.sh", "ppo", *SMALL, *args], cwd=ROOT, env=full_env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
-    if proc.returncode != 0:
-        pytest.fail(f"run.sh ppo exited {proc.returncode}\n{proc.stdout[-8000:]}")
-    return proc.stdout
-
-
-def train_rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "reward" in r]
+def run_sh(*args, **kw):
+    return conftest.run_sh("ppo", *SMALL, *args, **kw)  # the test's args last: they win over SMALL
 
 
 def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
