@@ -44,11 +44,26 @@ from dataclasses import dataclass, field
 import torch
 
 from batching import all_cat, all_sum, encode_prompts, init_distributed, make_batch, micro_slice, plan_micro_batches
+from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_model_path, check_rows, check_vllm,
+                    entry, load_tokenizer, long_prompt_warning, parse_args_quietly, probe_rewards)
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import batch_rows, load_data, reward_functions, score_completions, task_model
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
+OOM_HINTS = {  # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting memory)
+    "weight_sync": "lower --vllm_gpu_memory_utilization (vLLM's pool shares the GPU with the gathered weights)",
+    "rollout": "HF generation: lower --generation_batch_size, or --gather_for_generation False (layer by layer; "
+               "--generation_resident_gb between the two); vLLM: lower --vllm_batch_size or "
+               "--vllm_gpu_memory_utilization; or a shorter --max_completion_length",
+    "old_logprobs": "lower --per_device_train_batch_size or set --max_tokens_per_microbatch; lower "
+                    "--logprob_chunk_size (tokens per log-prob tile)",
+    "ref_logprobs": "lower --per_device_train_batch_size or set --max_tokens_per_microbatch; --ref_offload True "
+                    "keeps the reference model's shards in CPU memory",
+    "update": "--gradient_checkpointing True, lower --per_device_train_batch_size or set "
+              "--max_tokens_per_microbatch, lower --logprob_chunk_size",
+    "optimizer_step": "offload the optimizer states (configs/zero3_offload.json) or use more GPUs (ZeRO shards them)",
+}
 
 
 # ---- The algorithm: advantages and loss (pure functions, unit-tested against naive loops) ----
@@ -168,12 +183,18 @@ class Args:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     warmup_steps: int = field(default=0, metadata={"help": "linear LR warmup steps"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
+    max_bad_steps: int = field(default=3, metadata={"help": "stop after this many steps in a row skipped for "
+                                                            "non-finite loss or gradients"})
     per_device_train_batch_size: int = field(default=32, metadata={"help": "completions per micro-batch"})
     max_tokens_per_microbatch: int = field(default=0, metadata={"help": "> 0: micro-batches by padded-token "
                                                                         "budget (length-sorted), not by count"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    logprob_chunk_size: int = field(default=0, metadata={"help": "tokens per fused log-prob tile (x 4096 vocab "
+                                                                 "columns, fp32); 0: logprobs.py's 2048"})
     ref_offload: bool = field(default=False, metadata={"help": "keep the reference model's shards in CPU memory"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"})
+    pad_token: str = field(default="", metadata={"help": "the pad token for a tokenizer that has none (its eos "
+                                                         "token is fine); empty: the tokenizer must have one"})
     max_steps: int = field(default=100, metadata={"help": "training steps (one generated batch each)"})
     # evaluation, logging, saving
     eval_steps: int = field(default=25, metadata={"help": "held-out reward every this many steps (and at start/end)"})
@@ -184,27 +205,78 @@ class Args:
     report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
     estimate_memory: bool = field(default=False, metadata={"help": "print memory.py's per-phase, per-GPU estimate "
                                                                    "for these args (WORLD_SIZE from env) and exit"})
+    preflight: bool = field(default=False, metadata={"help": "check data, model, tokenizer, rewards, DeepSpeed "
+                                                             "JSON and resume (WORLD_SIZE from env), then exit; "
+                                                             "run.sh does this before torchrun"})
 
 
 def parse_args(argv=None):
-    from transformers import HfArgumentParser
-    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(argv)
+    """Args, checked on their own (no file read yet); derived: funcs, weights, batch_size, micro."""
+    args = parse_args_quietly(Args, argv)  # argparse's own errors: printed by rank 0, exit 2
     if args.loss_type not in LOSS_TYPES:
-        raise SystemExit(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
+        raise RunError(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
     if args.num_generations < 2:
-        raise SystemExit("--num_generations must be >= 2: advantages compare completions within a group")
+        raise RunError("--num_generations must be >= 2: advantages compare completions within a group")
+    if min(args.prompts_per_rank, args.per_device_train_batch_size, args.num_iterations, args.max_bad_steps) < 1:
+        raise RunError("--prompts_per_rank, --per_device_train_batch_size, --num_iterations and --max_bad_steps "
+                       "must be >= 1")
     if args.use_vllm and args.gather_for_generation is False:
-        raise SystemExit("--gather_for_generation False applies to HF generation; drop it with --use_vllm")
+        raise RunError("--gather_for_generation False applies to HF generation; drop it with --use_vllm")
     if args.vllm_importance_cap and not args.use_vllm:
-        raise SystemExit("--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)")
+        raise RunError("--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)")
     if args.report_to not in ("none", "wandb"):
-        raise SystemExit("--report_to: none or wandb")
+        raise RunError("--report_to: none or wandb")
+    if args.dtype not in ("auto", "bf16", "fp32"):
+        raise RunError("--dtype: auto, bf16 or fp32")
     try:
         args.funcs, args.weights = reward_functions(args.reward_funcs, args.reward_weights, args.data)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        raise RunError(str(e)) from None
     args.batch_size = args.prompts_per_rank * args.num_generations  # completions per rank per step
+    args.micro = min(args.per_device_train_batch_size, args.batch_size)  # completions per micro-batch
     return args
+
+
+def deepspeed_config(args, world, hidden_size, dtype):
+    """The DeepSpeed JSON with its "auto" values filled from the arguments (a concrete value that
+    contradicts them is a ValueError from zero3_utils.load_ds_config)."""
+    from zero3_utils import load_ds_config
+    with open(args.ds_config) as f:
+        raw = json.load(f)
+    check_global_batch(raw, args.ds_config, world, args.num_generations)
+    fill = {"train_micro_batch_size_per_gpu": args.micro,
+            "gradient_accumulation_steps": math.ceil(args.batch_size / args.micro),
+            "gradient_clipping": args.max_grad_norm, "bf16.enabled": dtype == torch.bfloat16,
+            "optimizer.params.lr": args.learning_rate, "optimizer.params.weight_decay": args.weight_decay}
+    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}  # only sections the JSON has
+    return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
+
+
+def preflight(args, rank, world):
+    """Every input checked before a model loads or a step runs; each failure a RunError saying what to
+    change. run.sh runs this once in one process first (--preflight True); each rank runs it again."""
+    check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world)
+    try:
+        train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    check_rows(train_rows, eval_rows, args.data or "the built-in task")
+    os.makedirs(args.run_dir, exist_ok=True)
+    model_path = task_model(args.model, args.run_dir, rank, args.seed)  # no --model: a tiny one from scratch
+    config = check_model_path(model_path)
+    tokenizer = load_tokenizer(model_path, args.pad_token)
+    warning = long_prompt_warning([len(p) for p in encode_prompts(tokenizer, train_rows[:20000] + eval_rows, 10**9)],
+                                  args.max_prompt_length)
+    if warning and rank == 0:
+        print(warning, file=sys.stderr)
+    probe_rewards(lambda rows, completions, g: score_completions(args.funcs, args.weights, rows, completions, g),
+                  train_rows)
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
+    ds_config = check_ds_config(lambda: deepspeed_config(args, world, config.hidden_size, dtype), args.ds_config,
+                                f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} completions "
+                                f"per optimizer step, in micro-batches of {args.micro}")
+    return model_path, tokenizer, train_rows, eval_rows, dtype, ds_config
 
 
 # ---- Rollout: generate (batching.py encodes and pads, tasks.py scores) -------------------------
@@ -222,8 +294,13 @@ def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
 
 
 # ---- Micro-batches, log-probs and the update -------------------------------------------------
+def chunk_kw(args):
+    """model_logps' tile height: --logprob_chunk_size, or its default."""
+    return {"chunk_size": args.logprob_chunk_size} if args.logprob_chunk_size > 0 else {}
+
+
 @torch.no_grad()
-def batch_logps(model, batch, plan, temperature, device):
+def batch_logps(model, batch, plan, args, device):
     """(B, C) log-probs of the sampled tokens, micro-batch by micro-batch (same slices as the update,
     so the numerics match), never holding (B, T, V). Zero-weight repeats keep ranks in step."""
     from logprobs import model_logps
@@ -231,7 +308,7 @@ def batch_logps(model, batch, plan, temperature, device):
     for idx in plan:
         mb = micro_slice(batch, plan[0] if idx is None else idx)
         lp = model_logps(model, mb["input_ids"].to(device), mb["attention_mask"].to(device), mb["logits_to_keep"],
-                         temperature=temperature)  # (b, c)
+                         temperature=args.temperature, **chunk_kw(args))  # (b, c)
         if idx is not None:
             out[idx, :mb["logits_to_keep"]] = lp.float().cpu()
     return out
@@ -257,7 +334,7 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
             # that count every backward overwrites (not accumulates) the gradient partitions
             logps, entropy = model_logps(engine, mb["input_ids"].to(device), mb["attention_mask"].to(device),
                                          mb["logits_to_keep"], temperature=args.temperature,
-                                         return_entropy=True)  # (b, c)
+                                         return_entropy=True, **chunk_kw(args))  # (b, c)
             to = lambda key: None if mb.get(key) is None else mb[key].to(device)  # noqa: E731
             loss, metrics = grpo_loss(logps, to("old_logps"), to("ref_logps"), to("advantages"),
                                       to("completion_mask"), beta=args.beta, epsilon_low=args.epsilon_low,
@@ -326,38 +403,25 @@ def main(argv=None):
     args = parse_args(argv)
     if args.estimate_memory:  # pre-flight: no process group, no weights
         return estimate_run_memory(args)
+    if args.preflight:  # run.sh: once, in one process, before torchrun starts the ranks
+        preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)))
+        return print(f"preflight: {args.ds_config}, data, model, tokenizer and rewards are fine")
     import deepspeed
     import torch.distributed as dist
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from zero3_utils import frozen_engine, load_ds_config, save_hf
+    from zero3_utils import frozen_engine, save_hf
 
-    # 1. setup --------------------------------------------------------------------------------
+    # 1. setup: every input checked on every rank before a model loads -----------------------
     rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
-    cuda = device.type == "cuda"
     say = print if rank == 0 else (lambda *a, **k: None)
-    os.makedirs(args.run_dir, exist_ok=True)
+    model_path, tokenizer, train_rows, eval_rows, dtype, ds_config = preflight(args, rank, world)
 
-    # 2. data and models ----------------------------------------------------------------------
-    train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)
-    model_path = task_model(args.model, args.run_dir, rank, args.seed)  # no --model: a tiny one from scratch
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
+    # 2. models ------------------------------------------------------------------------------
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-
-    micro = min(args.per_device_train_batch_size, args.batch_size)
-    with open(args.ds_config) as f:
-        raw = json.load(f)
-    fill = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": math.ceil(args.batch_size / micro),
-            "gradient_clipping": args.max_grad_norm, "bf16.enabled": dtype == torch.bfloat16,
-            "optimizer.params.lr": args.learning_rate, "optimizer.params.weight_decay": args.weight_decay}
-    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}  # only sections the JSON has
-    ds_config = load_ds_config(raw, world_size=world, hidden_size=model.config.hidden_size, **fill)
     def warmup(optimizer):  # linear warmup; a client scheduler, so the JSON needs no scheduler section
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -395,7 +459,8 @@ def main(argv=None):
         log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
-    ledger = MemoryLedger(device)  # peak memory per phase: CUDA allocated, or this process's RSS on CPU
+    ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
+    guard = StepGuard(args.max_bad_steps)  # skipped non-finite steps: counted, and a stop after a few in a row
     t_start = time.time()
     first = held_out(start_step, f"step {start_step}") if args.num_eval_prompts else float("nan")
     G, N = args.num_generations, args.prompts_per_rank
@@ -424,14 +489,14 @@ def main(argv=None):
         t_rollout = time.time() - t0
 
         # 5. old and reference log-probs, no grad, micro-batch by micro-batch ----------------
-        plan = plan_micro_batches(batch, micro, args.max_tokens_per_microbatch)
+        plan = plan_micro_batches(batch, args.micro, args.max_tokens_per_microbatch)
         batch["old_logps"] = batch["ref_logps"] = None
         if args.num_iterations > 1 or args.vllm_importance_cap > 0:
             with ledger.phase("old_logprobs"):
-                batch["old_logps"] = batch_logps(engine.module, batch, plan, args.temperature, device)
+                batch["old_logps"] = batch_logps(engine.module, batch, plan, args, device)
         if ref is not None:
             with ledger.phase("ref_logprobs"):
-                batch["ref_logps"] = batch_logps(ref.module, batch, plan, args.temperature, device)
+                batch["ref_logps"] = batch_logps(ref.module, batch, plan, args, device)
         if args.vllm_importance_cap > 0:  # vLLM sampled these tokens; the trainer scores them a bit differently
             gap = (batch["old_logps"] - gens.logprobs) * gens.completion_mask  # (B, C)
             batch["is_weights"] = torch.exp(gap).clamp(max=args.vllm_importance_cap)  # (B, C)
@@ -442,13 +507,17 @@ def main(argv=None):
         local = sum(loss_normalizer(batch["completion_mask"][i], args.loss_type, args.max_completion_length)
                     for i in plan if i is not None)
         (normalizer,) = all_sum([local])
+        skipped = 0
         for _ in range(args.num_iterations):
             sums = train_on_batch(engine, batch, plan, args, normalizer, device, ledger)  # update, optimizer_step
+            skipped += not engine.was_step_applied()  # DeepSpeed refused a non-finite step, alike on every rank
         t_update = time.time() - t1
 
         # 7. logging and saving --------------------------------------------------------------
         keys = sorted(sums)
         totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
+        grad_norm = engine.get_global_grad_norm()
+        guard.update(step + 1, totals["loss"], None if grad_norm is None else float(grad_norm), skipped > 0)
         allr = all_cat(torch.stack([rewards, gens.completion_mask.sum(1).float(), *per_func.values()], 1))
         # (world * B, 2 + F): total reward, completion length, each function
         dt, mem_line = time.time() - t0, ledger.line()
@@ -458,6 +527,7 @@ def main(argv=None):
                **{k: totals[k] / totals["tokens"] for k in ("entropy", "ratio", "clip_low", "clip_high", "kl")
                   if k in totals},
                "clip_frac": (totals["clip_low"] + totals["clip_high"]) / totals["tokens"],
+               "grad_norm": grad_norm and float(grad_norm), "skipped_steps": guard.skipped,
                "lr": engine.get_lr()[0], "tokens_per_s": allr[:, 1].sum().item() / dt, "step_s": dt,
                "rollout_s": t_rollout, "update_s": t_update, "elapsed_s": time.time() - t_start,
                **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
@@ -495,4 +565,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":  # vLLM spawns workers: keep the entry point guarded
-    main()
+    sys.exit(entry(main))  # a RunError or out of memory: one message, an exit code (checks.py)

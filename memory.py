@@ -54,11 +54,22 @@ def _proc_status_kib(key):
         return next(int(line.split()[1]) for line in f if line.startswith(key))
 
 
-class MemoryLedger:
-    """Peak memory per named phase, per step and over the run. Phases do not nest."""
+def is_out_of_memory(e):
+    """CUDA's OutOfMemoryError, or the CPU allocator's plain RuntimeError."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator" in str(e) and "allocate" in str(e))
 
-    def __init__(self, device):
+
+class MemoryLedger:
+    """Peak memory per named phase, per step and over the run. Phases do not nest.
+
+    Running out of memory inside a phase raises torch.OutOfMemoryError with a message naming the
+    phase, its peak so far and `hints[phase]`: the knob that lowers that phase's peak (the loop
+    knows its own knobs' names)."""
+
+    def __init__(self, device, hints=None):
         self.device = torch.device(device)
+        self.hints = hints or {}
         self.cuda = self.device.type == "cuda"
         self.linux = os.path.exists("/proc/self/clear_refs")
         self.step = {}  # phase -> peak bytes this step (max over repeats of the phase)
@@ -99,11 +110,24 @@ class MemoryLedger:
         start = self.current()
         try:
             yield
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+            raise torch.OutOfMemoryError(self._oom_message(name, e)) from e
         finally:
             peak, self._open = self.peak(), None
             self.step[name] = max(self.step.get(name, 0), peak)
             self.run[name] = max(self.run.get(name, 0), peak)
             self.rise[name] = max(self.rise.get(name, 0), peak - start)
+
+    def _oom_message(self, name, e):
+        total = (f" of {torch.cuda.get_device_properties(self.device).total_memory / GB:.1f} GB"
+                 if self.cuda else " (process RSS)")
+        earlier = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.run.items())
+        return (f"out of memory in phase {name!r} on {self.device} (peak {self.peak() / GB:.2f} GB{total}"
+                + (f"; earlier steps' peaks GB: {earlier}" if earlier else "") + "): "
+                + self.hints.get(name, "see README, Troubleshooting memory")
+                + f". `--estimate_memory True` predicts each phase's peak. ({str(e).splitlines()[0][:160]})")
 
     def line(self):
         """This step's peaks in one short line; * marks the highest."""

@@ -51,10 +51,21 @@ import torch
 
 from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distributed, make_batch, micro_slice,
                       plan_micro_batches)
+from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_model_path, check_rows, check_vllm,
+                    entry, load_tokenizer, long_prompt_warning, parse_args_quietly, probe_rewards)
 from logprobs import model_logps, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
-from tasks import batch_rows, load_data, reward_functions, score_completions, task_model
+from tasks import RewardError, batch_rows, load_data, reward_functions, score_completions, task_model
+
+OOM_HINTS = {  # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting memory)
+    "rollout": "lower --generation_batch_size, or --gather_for_generation False (layer by layer), or a shorter "
+               "--max_completion_length",
+    "logprobs": "lower --micro_train_batch_size or --logprob_chunk_size (tokens per log-prob tile); "
+                "--frozen_offload True keeps the reference and reward shards in CPU memory; --packing True",
+    "update": "--gradient_checkpointing True, lower --micro_train_batch_size or --logprob_chunk_size, --packing True; "
+              "for the optimizer states: configs/zero3_offload.json, --lora_r 16",
+}
 
 
 # ---- The algorithm: rewards, advantages and losses (pure functions, unit-tested against naive loops) ----
@@ -181,9 +192,13 @@ class Args:
     critic_learning_rate: float = field(default=2e-3, metadata={"help": "critic LR (~9e-6 pretrained)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
+    max_bad_steps: int = field(default=3, metadata={"help": "stop after this many steps in a row skipped for "
+                                                            "non-finite loss or gradients"})
     micro_train_batch_size: int = field(default=64, metadata={"help": "sequences per micro-batch (forward/backward)"})
     # memory
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
+    logprob_chunk_size: int = field(default=0, metadata={"help": "tokens per fused log-prob tile (x 4096 vocab "
+                                                                 "columns, fp32); 0: logprobs.py's 2048"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
     frozen_offload: bool = field(default=False, metadata={"help": "ZeRO-3: reference and reward model shards "
                                                                   "live in CPU memory"})
@@ -192,6 +207,8 @@ class Args:
     lora_alpha: float = field(default=32.0, metadata={"help": "LoRA scaling numerator"})
     lora_target_modules: str = field(default="all-linear", metadata={"help": "peft target_modules"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"})
+    pad_token: str = field(default="", metadata={"help": "the pad token for a tokenizer that has none (its eos "
+                                                         "token is fine); empty: the tokenizer must have one"})
     max_steps: int = field(default=60, metadata={"help": "training steps (one rollout batch each)"})
     # evaluation, logging, saving
     eval_steps: int = field(default=20, metadata={"help": "held-out reward every this many steps (and at start/end)"})
@@ -200,35 +217,93 @@ class Args:
     resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir"})
     save_model: bool = field(default=True, metadata={"help": "write the final HF actor to <run_dir>/final"})
     report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
+    preflight: bool = field(default=False, metadata={"help": "check data, models, tokenizer, rewards, DeepSpeed "
+                                                             "JSON and resume (WORLD_SIZE from env), then exit; "
+                                                             "run.sh does this before torchrun"})
 
 
 def parse_args(argv=None):
-    from transformers import HfArgumentParser
-    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(argv)
+    """Args, checked on their own (no file read yet); derived: funcs, weights, batch_size, micro."""
+    args = parse_args_quietly(Args, argv)  # argparse's own errors: printed by rank 0, exit 2
     if args.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
-        raise SystemExit("--attn_implementation: sdpa, eager or flash_attention_2")
+        raise RunError("--attn_implementation: sdpa, eager or flash_attention_2")
     if args.report_to not in ("none", "wandb"):
-        raise SystemExit("--report_to: none or wandb")
+        raise RunError("--report_to: none or wandb")
+    if args.dtype not in ("auto", "bf16", "fp32"):
+        raise RunError("--dtype: auto, bf16 or fp32")
     if min(args.prompts_per_rank, args.num_generations, args.ppo_epochs, args.num_mini_batches,
-           args.micro_train_batch_size) < 1:
-        raise SystemExit("prompts_per_rank, num_generations, ppo_epochs, num_mini_batches and "
-                         "micro_train_batch_size must be >= 1")
+           args.micro_train_batch_size, args.max_bad_steps) < 1:
+        raise RunError("--prompts_per_rank, --num_generations, --ppo_epochs, --num_mini_batches, "
+                       "--micro_train_batch_size and --max_bad_steps must be >= 1")
     if args.reward_model and args.reward_funcs:
-        raise SystemExit("give --reward_model or --reward_funcs, not both")
+        raise RunError("give --reward_model or --reward_funcs, not both")
     if args.lora_r:
         try:
             import peft  # noqa: F401  (optional: only LoRA runs need it)
         except ImportError:
-            raise SystemExit("--lora_r needs peft: pip install peft") from None
+            raise RunError("--lora_r needs peft: pip install peft") from None
     if args.reward_model and args.reward_weights:
-        raise SystemExit("--reward_weights weighs reward functions; a --reward_model's score has none")
+        raise RunError("--reward_weights weighs reward functions; a --reward_model's score has none")
     try:
         args.funcs, args.weights = ([], []) if args.reward_model else \
             reward_functions(args.reward_funcs, args.reward_weights, args.data)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        raise RunError(str(e)) from None
     args.batch_size = args.prompts_per_rank * args.num_generations  # completions per rank per step
+    args.micro = min(args.micro_train_batch_size, args.batch_size)  # sequences per micro-batch
     return args
+
+
+def deepspeed_config(args, world, hidden_size, dtype, lr):
+    """The DeepSpeed JSON for one trained model (only the learning rate differs) with its "auto" values
+    filled from the arguments (a concrete value that contradicts them: zero3_utils' ValueError)."""
+    from zero3_utils import load_ds_config
+    with open(args.ds_config) as f:
+        raw = json.load(f)
+    check_global_batch(raw, args.ds_config, world * args.num_mini_batches, args.num_generations)
+    fill = {"train_micro_batch_size_per_gpu": args.micro,
+            "gradient_accumulation_steps": math.ceil(args.batch_size / args.micro / args.num_mini_batches),
+            "gradient_clipping": args.max_grad_norm, "bf16.enabled": dtype == torch.bfloat16,
+            "optimizer.params.lr": lr, "optimizer.params.weight_decay": args.weight_decay}
+    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}  # only sections the JSON has
+    return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
+
+
+def preflight(args, rank, world):
+    """Every input checked before a model loads or a step runs; each failure a RunError saying what to
+    change. run.sh runs this once in one process first (--preflight True); each rank runs it again."""
+    check_vllm(False, 1, world)
+    try:
+        train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    check_rows(train_rows, eval_rows, args.data or "the built-in task")
+    os.makedirs(args.run_dir, exist_ok=True)
+    model_path = task_model(args.model, args.run_dir, rank, args.seed)  # no --model: a tiny one from scratch
+    config = check_model_path(model_path)
+    tokenizer = load_tokenizer(model_path, args.pad_token)
+    if args.reward_model:
+        check_model_path(args.reward_model, "--reward_model")
+        if load_tokenizer(args.reward_model, args.pad_token).get_vocab() != tokenizer.get_vocab():
+            raise RunError(f"--reward_model {args.reward_model} has another tokenizer than the actor; this loop "
+                           "passes token ids as they are: use a reward model trained on the actor's tokenizer")
+    else:
+        probe_rewards(lambda rows, completions, g: score_completions(args.funcs, args.weights, rows, completions, g),
+                      train_rows)
+    warning = long_prompt_warning([len(p) for p in encode_prompts(tokenizer, train_rows[:20000] + eval_rows, 10**9)],
+                                  args.max_prompt_length)
+    if warning and rank == 0:
+        print(warning, file=sys.stderr)
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
+    ds = check_ds_config(lambda: deepspeed_config(args, world, config.hidden_size, dtype, args.learning_rate),
+                         args.ds_config, f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} "
+                         f"completions in {args.num_mini_batches} optimizer step(s) per pass, micro-batches of "
+                         f"{args.micro}")
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if args.frozen_offload and stage != 3:
+        raise RunError(f"--frozen_offload needs ZeRO-3 ({args.ds_config} has stage {stage})")
+    return model_path, tokenizer, train_rows, eval_rows, dtype, stage
 
 
 # ---- Rollout: generate, score (batching.py encodes and pads, tasks.py has the rule rewards) ------
@@ -253,6 +328,10 @@ def score(args, rows, completions, num_generations, batch, plan, reward_model, d
                                       position_ids=positions_from_mask(am), use_cache=False).logits  # (b, 1)
                 if idx is not None:
                     out[idx] = logits[:, 0].float().cpu()
+        if not torch.isfinite(out).all():
+            raise RewardError(f"--reward_model {args.reward_model} gave {int((~torch.isfinite(out)).sum())} non-finite "
+                              f"scores (first: {completions[int((~torch.isfinite(out)).nonzero()[0])]!r}); check the "
+                              f"model in fp32 (--dtype fp32) or its checkpoint")
         return out, {}
     return score_completions(args.funcs, args.weights, rows, completions, num_generations)
 
@@ -302,14 +381,16 @@ def pack(mb):
     return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(where)
 
 
-def forward_logps(model, mb, temperature, packing, device, return_entropy=False):
-    """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed."""
+def forward_logps(model, mb, temperature, packing, device, return_entropy=False, chunk_size=0):
+    """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed.
+    chunk_size > 0: tokens per fused log-prob tile (logprobs.py's default otherwise)."""
+    kw = dict(temperature=temperature, return_entropy=return_entropy, **({"chunk_size": chunk_size} if chunk_size else {}))
     if not packing:
         return model_logps(model, mb["input_ids"].to(device), mb["attention_mask"].to(device), mb["logits_to_keep"],
-                           temperature=temperature, return_entropy=return_entropy)  # (b, c)
+                           **kw)  # (b, c)
     ids, pos, where = pack(mb)  # (1, N), (1, N), (M,)
-    out = model_logps(model, ids.to(device), None, ids.shape[1] - 1, temperature=temperature,
-                      return_entropy=return_entropy, position_ids=pos.to(device))  # (1, N - 1): token j + 1 at j
+    out = model_logps(model, ids.to(device), None, ids.shape[1] - 1, position_ids=pos.to(device),
+                      **kw)  # (1, N - 1): token j + 1 at j
     cm, where = mb["completion_mask"], where.to(device)
     return (unpack(out[0][0, where], cm), unpack(out[1][0, where], cm)) if return_entropy \
         else unpack(out[0, where], cm)  # (b, c)
@@ -374,7 +455,7 @@ def train_on_batch(actor, critic, batch, plan, args, device):
                 # through the engines' forward: ZeRO-3 counts micro-steps there (see grpo.py)
                 actor.set_gradient_accumulation_boundary(boundary)
                 logps, entropy = forward_logps(actor, mb, args.temperature, args.packing, device,
-                                               return_entropy=True)  # (b, c)
+                                               return_entropy=True, chunk_size=args.logprob_chunk_size)  # (b, c)
                 pl, pm = policy_loss(logps, to(mb["old_logps"]), to(mb["advantages"]), mask, args.cliprange,
                                      normalizer)
                 actor.backward(pl * weight * world, scale_wrt_gas=False)
@@ -391,6 +472,8 @@ def train_on_batch(actor, critic, batch, plan, args, device):
                         sums[k] = sums.get(k, 0.0) + float(v)
             actor.step()
             critic.step()
+            # DeepSpeed refused a non-finite step (alike on every rank): counted once per rank here
+            sums["skipped"] = sums.get("skipped", 0.0) + (not actor.was_step_applied()) + (not critic.was_step_applied())
     return sums
 
 
@@ -415,29 +498,22 @@ def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
 # ---- The loop ------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
+    if args.preflight:  # run.sh: once, in one process, before torchrun starts the ranks
+        preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)))
+        return print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
     import deepspeed
     import torch.distributed as dist
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from zero3_utils import frozen_engine, gathered, load_ds_config, save_hf
+    from zero3_utils import frozen_engine, gathered, save_hf
 
-    # 1. setup --------------------------------------------------------------------------------
+    # 1. setup: every input checked on every rank before a model loads -----------------------
     rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
-    cuda = device.type == "cuda"
     say = print if rank == 0 else (lambda *a, **k: None)
-    os.makedirs(args.run_dir, exist_ok=True)
+    model_path, tokenizer, train_rows, eval_rows, dtype, stage = preflight(args, rank, world)
 
-    # 2. data and models ----------------------------------------------------------------------
-    train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)
-    model_path = task_model(args.model, args.run_dir, rank, args.seed)  # no --model: a tiny one from scratch
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if args.reward_model and AutoTokenizer.from_pretrained(args.reward_model).get_vocab() != tokenizer.get_vocab():
-        raise SystemExit(f"--reward_model {args.reward_model} has another tokenizer than the actor; this loop "
-                         "passes token ids as they are: use a reward model trained on the actor's tokenizer")
-    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
+    # 2. models ------------------------------------------------------------------------------
     attn = dict(dtype=dtype, attn_implementation=args.attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
     critic = build_critic(args.reward_model or model_path, bool(args.reward_model), **attn)
@@ -455,20 +531,8 @@ def main(argv=None):
         model = get_peft_model(model, lora("CAUSAL_LM"))
         critic.body = get_peft_model(critic.body, lora("FEATURE_EXTRACTION"))
 
-    micro = min(args.micro_train_batch_size, args.batch_size)
-    with open(args.ds_config) as f:
-        raw = json.load(f)
-    stage = raw.get("zero_optimization", {}).get("stage", 0)
-    if args.frozen_offload and stage != 3:
-        raise SystemExit(f"--frozen_offload needs ZeRO-3 ({args.ds_config} has stage {stage})")
-
     def ds_config(lr):  # one config per trained model: only the learning rate differs
-        fill = {"train_micro_batch_size_per_gpu": micro,
-                "gradient_accumulation_steps": math.ceil(args.batch_size / micro / args.num_mini_batches),
-                "gradient_clipping": args.max_grad_norm, "bf16.enabled": dtype == torch.bfloat16,
-                "optimizer.params.lr": lr, "optimizer.params.weight_decay": args.weight_decay}
-        fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}  # only sections the JSON has
-        return load_ds_config(raw, world_size=world, hidden_size=model.config.hidden_size, **fill)
+        return deepspeed_config(args, world, model.config.hidden_size, dtype, lr)
 
     def trained(module, lr):
         engine, *_ = deepspeed.initialize(model=module, config=ds_config(lr),
@@ -507,11 +571,13 @@ def main(argv=None):
 
     def ref_logps(mb):  # the frozen reference, or the actor itself with its LoRA adapters switched off
         if ref is not None:
-            return forward_logps(ref, mb, args.temperature, args.packing, device)
+            return forward_logps(ref, mb, args.temperature, args.packing, device, chunk_size=args.logprob_chunk_size)
         with engine.module.disable_adapter():
-            return forward_logps(engine.module, mb, args.temperature, args.packing, device)
+            return forward_logps(engine.module, mb, args.temperature, args.packing, device,
+                                 chunk_size=args.logprob_chunk_size)
 
-    scorers = {"old_logps": lambda mb: forward_logps(engine.module, mb, args.temperature, args.packing, device),
+    scorers = {"old_logps": lambda mb: forward_logps(engine.module, mb, args.temperature, args.packing, device,
+                                                     chunk_size=args.logprob_chunk_size),
                "values": lambda mb: forward_values(critic_engine.module, mb, args.packing, device)}
     if args.kl_coef > 0:
         scorers["ref_logps"] = ref_logps
@@ -520,7 +586,8 @@ def main(argv=None):
     first = held_out(start_step, f"step {start_step}") if args.num_eval_prompts else float("nan")
     G, N = args.num_generations, args.prompts_per_rank
     bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="ppo")
-    ledger = MemoryLedger(device)  # peak memory per phase: CUDA allocated, or this process's RSS on CPU
+    ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
+    guard = StepGuard(args.max_bad_steps)  # skipped non-finite steps: counted, and a stop after a few in a row
     for step in bar:
         t0 = time.time()
         torch.manual_seed(args.seed * 7919 + step * world + rank)  # sampling replays exactly on resume
@@ -532,7 +599,7 @@ def main(argv=None):
             gens = generate(engine, tokenizer, prompt_ids, args, G)
             completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
             batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
-            plan = plan_micro_batches(batch, micro)
+            plan = plan_micro_batches(batch, args.micro)
             scores, per_func = score(args, rows, completions, G, batch, plan, reward_model, device)  # (B,)
         t_rollout = time.time() - t0
 
@@ -555,6 +622,9 @@ def main(argv=None):
         # 7. logging and saving --------------------------------------------------------------
         keys = sorted(sums)
         totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
+        norms = [e.get_global_grad_norm() for e in (engine, critic_engine)]
+        norms = None if None in norms else max(float(n) for n in norms)  # non-finite if either is
+        guard.update(step + 1, totals["policy_loss"] + totals["value_loss"], norms, totals["skipped"] > 0)
         rollout = all_sum([(kl * mask).sum().item(), mask.sum().item(), (batch["values"] * mask).sum().item(),
                            (batch["returns"] * mask).sum().item()])
         allr = all_cat(torch.stack([scores, mask.sum(1).float(), *per_func.values()], 1))
@@ -566,6 +636,7 @@ def main(argv=None):
                "policy_loss": totals["policy_loss"], "value_loss": totals["value_loss"],
                **{k: totals[k] / totals["tokens"] for k in ("entropy", "ratio", "approx_kl", "clip", "vf_clip")},
                "completion_len": allr[:, 1].mean().item(), "lr": engine.get_lr()[0],
+               "grad_norm_max": norms, "skipped_steps": guard.skipped,
                "tokens_per_s": allr[:, 1].sum().item() / dt, "step_s": dt, "rollout_s": t_rollout,
                "update_s": t_update, "elapsed_s": time.time() - t_start,
                **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
@@ -610,4 +681,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry(main))  # a RunError or out of memory: one message, an exit code (checks.py)

@@ -16,6 +16,12 @@
 #   MODEL, DATA  hub id or path of the policy; JSONL of {"prompt": ..., "answer": ...}
 #   RUN_DIR      where metrics, checkpoints and the final model go (default runs/<algo>-<time>);
 #                resume with RUN_DIR=<that dir> bash run.sh grpo --resume True
+#   PREFLIGHT    0 skips the one-process check of every input before torchrun (default 1)
+#
+# Exit codes: 2 bad input (from the pre-flight check, nothing ran); once torchrun runs, it exits 1
+# when a rank fails and its summary shows the rank's code: 2 bad input (e.g. a reward function
+# that raised), 3 training diverged (non-finite steps in a row), 4 out of memory (the message
+# names the phase and the knob).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -43,6 +49,18 @@ if [[ -n "${MODEL:-}" ]]; then
   # A pretrained model: a small LR and longer answers (the defaults fit the from-scratch tiny task).
   [[ $ALGO == grpo ]] && args+=(--learning_rate 1e-6 --max_completion_length 256 --prompts_per_rank 4
                                 --per_device_train_batch_size 4 --gradient_checkpointing True --eval_steps 100)
+fi
+
+# One process first: --help, --estimate_memory, and the pre-flight check of every input (data, model,
+# tokenizer, rewards, DeepSpeed JSON vs arguments, resume), so bad input fails here with one message
+# and exit code 2, before torchrun starts any rank. PREFLIGHT=0 skips the check.
+for a in "$@"; do
+  if [[ $a == -h || $a == --help || $a == --estimate_memory ]]; then
+    WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) exec python "$ALGO.py" "${args[@]}" "$@"
+  fi
+done
+if [[ ${PREFLIGHT:-1} != 0 ]]; then
+  WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) python "$ALGO.py" "${args[@]}" "$@" --preflight True || exit $?
 fi
 
 set -x

@@ -15,9 +15,11 @@ A row is a dict {"prompt": str, "answer": str}. A reward function is a plain cal
 import importlib
 import itertools
 import json
+import math
 import os
 import random
 import sys
+import traceback
 
 import torch
 
@@ -91,30 +93,73 @@ def reward_functions(reward_funcs, reward_weights, data):
     return funcs, weights
 
 
+class RewardError(ValueError):
+    """A reward function failed: raised, miscounted, or returned a non-number / NaN / inf. The message
+    names it; exit_code makes checks.entry print it as one line (from the rank that hit it) and exit 2."""
+    exit_code, everywhere = 2, False
+
+
+def _name(f):
+    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__name__', repr(f))}"
+
+
+def call_reward(f, prompts, completions, answers):
+    """f's rewards as a (B,) float tensor; any failure of f is a RewardError naming f."""
+    try:
+        values = f(prompts, completions, answers)
+    except Exception as e:  # the user's code: whatever it raises, say whose it is and where
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
+        raise RewardError(f"reward function {_name(f)} raised {type(e).__name__}: {e} (at {where})") from e
+    try:
+        values = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise RewardError(f"reward function {_name(f)} returned {type(values).__name__} {str(values)[:80]}; "
+                          f"it must return a list of floats, one per completion") from None
+    if len(values) != len(completions):
+        raise RewardError(f"reward function {_name(f)} returned {len(values)} values for {len(completions)} "
+                          f"completions; return one per completion")
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise RewardError(f"reward function {_name(f)} returned {values[bad[0]]} for completion {bad[0]} "
+                          f"({completions[bad[0]]!r}) and {len(bad) - 1} other non-finite values; return finite "
+                          f"numbers (e.g. 0.0 where the reward is undefined)")
+    return torch.tensor(values)  # (B,)
+
+
 def score_completions(funcs, weights, rows, completions, num_generations):
     """Weighted sum of the reward functions, (B,), and each function's raw rewards, {name: (B,)}.
     completions are prompt-major: row i's num_generations completions are adjacent."""
     prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
     answers = [r.get("answer", "") for r in rows for _ in range(num_generations)]
-    per_func = {}
-    for f in funcs:
-        values = f(prompts, completions, answers)
-        if len(values) != len(completions):
-            raise ValueError(f"reward {f.__name__} returned {len(values)} values for {len(completions)} completions")
-        per_func[f.__name__] = torch.tensor([float(v) for v in values])  # (B,)
+    per_func = {f.__name__: call_reward(f, prompts, completions, answers) for f in funcs}  # {name: (B,)}
     total = sum(w * r for w, r in zip(weights, per_func.values()))  # (B,)
     return total, per_func
 
 
 # ---- Data: JSONL with a held-out split, and the order it is seen in -------------------------------
 def load_jsonl(path, num_eval, seed):
-    """{"prompt": ..., "answer": ...} per line -> (train rows, num_eval held-out rows), seeded shuffle."""
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    bad = [i for i, r in enumerate(rows) if "prompt" not in r]
-    if bad:
-        raise ValueError(f"{path}: lines {bad[:5]} have no \"prompt\" key; "
-                         "each line is {\"prompt\": ..., \"answer\": ...}")
+    """{"prompt": ..., "answer": ...} per line -> (train rows, num_eval held-out rows), seeded shuffle.
+    A malformed line is a ValueError naming its (1-based) line number."""
+    rows = []
+    try:
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}): "
+                                     f"{line.strip()[:80]!r}") from None
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                    raise ValueError(f"{path} line {n} has no string \"prompt\": {line.strip()[:80]!r}; each "
+                                     f"line is {{\"prompt\": ..., \"answer\": ...}}")
+                rows.append(row)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--data {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not rows:
+        raise ValueError(f"--data {path} has no rows; each line is {{\"prompt\": ..., \"answer\": ...}}")
     random.Random(seed).shuffle(rows)
     if len(rows) <= num_eval:
         raise ValueError(f"{path} has {len(rows)} rows, not more than num_eval_prompts={num_eval}; lower it")

@@ -45,7 +45,7 @@ with torch.no_grad():
 old_logps = base + 0.3 * torch.randn(B, C)  # a previous iteration's policy: ratios leave 1, clipping acts
 ref_logps = base + 0.3 * torch.randn(B, C)
 advantages = torch.randn(B)
-args = SimpleNamespace(temperature=1.0, beta=0.04, epsilon_low=0.2, epsilon_high=0.28)
+args = SimpleNamespace(temperature=1.0, beta=0.04, epsilon_low=0.2, epsilon_high=0.28, logprob_chunk_size=0)
 
 failures = []
 for loss_type in LOSS_TYPES:

@@ -50,7 +50,8 @@ full["old_logps"] = base_logps + 0.3 * torch.randn(B, C)  # ratios leave 1: clip
 full["values"] = base_values + 0.3 * torch.randn(B, C)  # old values differ: value clipping acts
 full["advantages"] = torch.randn(B, C) * cmask
 full["returns"] = torch.randn(B, C) * cmask
-args = SimpleNamespace(ppo_epochs=1, num_mini_batches=1, temperature=1.0, cliprange=0.2, cliprange_value=0.05)
+args = SimpleNamespace(ppo_epochs=1, num_mini_batches=1, temperature=1.0, cliprange=0.2, cliprange_value=0.05,
+                       logprob_chunk_size=0)
 
 # the reference: full batch, plain models, one backward each
 n = float(cmask.sum())

@@ -138,16 +138,17 @@ def test_accumulation_equivalence_deepspeed(tiny_model, tmp_path):
 
 
 def test_bad_input_fails_with_a_message_that_says_what_to_change():
+    from checks import RunError
     from grpo import parse_args
     for argv, msg in ((["--loss_type", "sum"], "choose one of"), (["--num_generations", "1"], ">= 2"),
                       (["--reward_weights", "1,2,3"], "3 values for 2 reward functions"),
                       (["--reward_funcs", "nosuchmodule:f"], "module:function"),
                       (["--vllm_importance_cap", "2"], "needs --use_vllm")):
-        with pytest.raises((SystemExit, ValueError), match=msg):
+        with pytest.raises(RunError, match=msg):
             parse_args(argv)
     args = parse_args(["--reward_funcs", "tasks:correct_reward", "--data", "x.jsonl"])
     assert [f.__name__ for f in args.funcs] == ["correct_reward"] and args.weights == [1.0]
-    # the task, rewards, JSONL data and data order: tests/test_tasks.py
+    # the task, rewards, JSONL data and data order: tests/test_tasks.py; bad input end to end: test_checks.py
 
 
 def test_estimate_memory_flag_prints_the_estimate_and_exits(capsys, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tasks import (batch_rows, correct_reward, default_task, exact_match_reward, format_reward, load_data, load_jsonl,
-                   reward_functions, score_completions)
+                   reward_functions, score_completions, RewardError)
 
 
 def test_default_task_split_and_answers():
@@ -59,8 +59,33 @@ def test_load_jsonl_split_and_bad_input(tmp_path):
         load_jsonl(good, 10, 0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1=", "answer": "1"}\n{"question": "2="}\n')
-    with pytest.raises(ValueError, match="no \"prompt\" key"):
+    with pytest.raises(ValueError, match="bad.jsonl line 2 has no string \"prompt\""):
         load_jsonl(bad, 0, 0)
+    bad.write_text('{"prompt": "1=", "answer": "1"}\n\n{"prompt": "2=", "answer": 2\n')
+    with pytest.raises(ValueError, match="bad.jsonl line 3 is not valid JSON"):  # blank lines still count
+        load_jsonl(bad, 0, 0)
+    bad.write_text("\n")
+    with pytest.raises(ValueError, match="has no rows"):
+        load_jsonl(bad, 0, 0)
+    with pytest.raises(ValueError, match="cannot read it"):
+        load_jsonl(tmp_path / "missing.jsonl", 0, 0)
+
+
+def test_reward_failures_name_the_function():
+    rows = [{"prompt": "83=", "answer": "8"}]
+
+    def raises(p, c, a):
+        return [1.0 / 0 for _ in c]
+
+    def nan(p, c, a):
+        return [float("nan")] * len(c)
+
+    for f, msg in ((raises, r"test_tasks.raises raised ZeroDivisionError: float division by zero \(at test_tasks.py:\d+\)"),
+                   (nan, r"test_tasks.nan returned nan for completion 0 \('8'\)"),
+                   (lambda p, c, a: None, "returned NoneType None; it must return a list of floats")):
+        with pytest.raises(RewardError, match=msg) as e:
+            score_completions([f], [1.0], rows, ["8", "3"], 2)
+        assert e.value.exit_code == 2 and not e.value.everywhere
 
 
 def test_batch_rows_is_a_function_of_the_step_and_covers_each_epoch():
