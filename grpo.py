@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batching import all_cat, all_sum, encode_prompts, init_distributed, make_batch, micro_slice, plan_micro_batches
+from checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import batch_rows, load_data, reward_functions, score_completions, task_model
@@ -179,7 +180,9 @@ class Args:
     eval_steps: int = field(default=25, metadata={"help": "held-out reward every this many steps (and at start/end)"})
     num_eval_prompts: int = field(default=200, metadata={"help": "held-out prompts, one sample each; 0: no eval"})
     save_steps: int = field(default=0, metadata={"help": "DeepSpeed checkpoint every this many steps; 0: none"})
-    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir"})
+    save_total_limit: int = field(default=0, metadata={"help": "keep only this many newest checkpoints; 0: all"})
+    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir (same "
+                                                          "config and world size; see checkpoint.py)"})
     save_model: bool = field(default=True, metadata={"help": "write the final HF model to <run_dir>/final"})
     report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
     estimate_memory: bool = field(default=False, metadata={"help": "print memory.py's per-phase, per-GPU estimate "
@@ -377,13 +380,17 @@ def main(argv=None):
                              dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
 
     start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
-    if args.resume:
-        if not os.path.exists(os.path.join(ckpt_dir, "latest")):
-            raise SystemExit(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
-        _, client = engine.load_checkpoint(ckpt_dir)
-        start_step = client["step"]
-        say(f"resumed from {ckpt_dir} at step {start_step}")
+    engines = {"policy": engine}  # one sub-dir each in checkpoints/step<N>/ (checkpoint.py)
+    ckpt_config = {**{k: v for k, v in vars(args).items() if k not in ("funcs", "weights")}, "world_size": world}
+    if args.resume:  # same config and world size, or a message saying what differs; then every engine's state
+        try:
+            check_resume(ckpt_dir, ckpt_config)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        start_step = load_checkpoint(engines, ckpt_dir)
+        say(f"resumed from {latest_checkpoint(ckpt_dir)} at step {start_step}")
     log = RunLog(args.run_dir, __file__, {k: v for k, v in vars(args).items() if k != "funcs"}, rank, args.report_to,
+                 resume_step=start_step if args.resume else None,  # drop rows the killed run wrote after it
                  extra={"world_size": world, "ds_config_resolved": ds_config})  # what ran, metrics.jsonl, wandb
 
     def held_out(step, when):
@@ -397,7 +404,9 @@ def main(argv=None):
 
     ledger = MemoryLedger(device)  # peak memory per phase: CUDA allocated, or this process's RSS on CPU
     t_start = time.time()
-    first = held_out(start_step, f"step {start_step}") if args.num_eval_prompts else float("nan")
+    first = float("nan")  # on resume the first held-out score is already in metrics.jsonl
+    if args.num_eval_prompts and not args.resume:
+        first = held_out(start_step, f"step {start_step}")
     G, N = args.num_generations, args.prompts_per_rank
     bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="grpo")
     for step in bar:
@@ -471,10 +480,10 @@ def main(argv=None):
             bar.write(f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} acc {row['accuracy']:.2f} "
                       f"len {row['completion_len']:.1f} entropy {row['entropy']:.2f} clip {row['clip_frac']:.3f}"
                       + (f" kl {row['kl']:.4f}" if "kl" in row else "") + f" {dt:.2f}s | {mem_line}")
-        if args.save_steps and (step + 1) % args.save_steps == 0:
-            engine.save_checkpoint(ckpt_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
         if args.eval_steps and eval_rows and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             held_out(step + 1, f"step {step + 1}")
+        if args.save_steps and (step + 1) % args.save_steps == 0:  # after this step's rows: resume logs none twice
+            save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
 
     bar.close()
     if args.num_eval_prompts:
