@@ -93,7 +93,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, tiny_model):
 # ---- the test: kill -9 a torchrun GRPO run at a random step, resume, compare ------------
 GRPO = ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2", "--prompts_per_rank", "4",
         "--num_generations", "4", "--per_device_train_batch_size", "8", "--num_eval_prompts", "8",
-        "--eval_steps", "3", "--save_model", "False"]
+        "--eval_steps", "3", "--warmup_steps", "8", "--save_model", "False"]  # warmup: the LR schedule must resume too
 def compared(key):  # wall time and memory differ between any two runs
     return not (key.endswith("_s") or key.startswith("mem/"))
 
