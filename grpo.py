@@ -46,6 +46,7 @@ import torch
 from batching import all_cat, all_sum, encode_prompts, init_distributed, make_batch, micro_slice, plan_micro_batches
 from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_model_path, check_rows, check_vllm,
                     entry, load_tokenizer, long_prompt_warning, parse_args_quietly, probe_rewards)
+from checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import batch_rows, load_data, reward_functions, score_completions, task_model
@@ -200,7 +201,9 @@ class Args:
     eval_steps: int = field(default=25, metadata={"help": "held-out reward every this many steps (and at start/end)"})
     num_eval_prompts: int = field(default=200, metadata={"help": "held-out prompts, one sample each; 0: no eval"})
     save_steps: int = field(default=0, metadata={"help": "DeepSpeed checkpoint every this many steps; 0: none"})
-    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir"})
+    save_total_limit: int = field(default=0, metadata={"help": "keep only this many newest checkpoints; 0: all"})
+    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir (same "
+                                                          "config and world size; see checkpoint.py)"})
     save_model: bool = field(default=True, metadata={"help": "write the final HF model to <run_dir>/final"})
     report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
     estimate_memory: bool = field(default=False, metadata={"help": "print memory.py's per-phase, per-GPU estimate "
@@ -252,6 +255,23 @@ def deepspeed_config(args, world, hidden_size, dtype):
     return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
 
 
+# Knobs that change memory, not the update (micro-batching never changes it: DESIGN.md problem 4), so a
+# run that ran out of memory can be resumed with one of them turned.
+MEMORY_KNOBS = ("per_device_train_batch_size", "max_tokens_per_microbatch", "logprob_chunk_size",
+                     "gradient_checkpointing", "generation_batch_size", "gather_for_generation",
+                     "generation_resident_gb", "vllm_batch_size", "vllm_gpu_memory_utilization", "ref_offload",
+                     "max_bad_steps", "micro")
+
+
+def run_config(args, world):
+    """What a checkpoint records and --resume must match (checkpoint.check_resume): the arguments, the
+    world size (ZeRO shards are per rank) and the DeepSpeed JSON's contents."""
+    with open(args.ds_config) as f:
+        ds = json.load(f)
+    return {**{k: v for k, v in vars(args).items() if k not in ("funcs", "weights")}, "world_size": world,
+            "ds_config_json": ds}
+
+
 def preflight(args, rank, world):
     """Every input checked before a model loads or a step runs; each failure a RunError saying what to
     change. run.sh runs this once in one process first (--preflight True); each rank runs it again."""
@@ -276,6 +296,11 @@ def preflight(args, rank, world):
     ds_config = check_ds_config(lambda: deepspeed_config(args, world, config.hidden_size, dtype), args.ds_config,
                                 f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} completions "
                                 f"per optimizer step, in micro-batches of {args.micro}")
+    if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
+        try:
+            check_resume(os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS)
+        except ValueError as e:
+            raise RunError(str(e)) from None
     return model_path, tokenizer, train_rows, eval_rows, dtype, ds_config
 
 
@@ -441,13 +466,13 @@ def main(argv=None):
                              dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
 
     start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
-    if args.resume:
-        if not os.path.exists(os.path.join(ckpt_dir, "latest")):
-            raise SystemExit(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
-        _, client = engine.load_checkpoint(ckpt_dir)
-        start_step = client["step"]
-        say(f"resumed from {ckpt_dir} at step {start_step}")
+    engines = {"policy": engine}  # one sub-dir each in checkpoints/step<N>/ (checkpoint.py)
+    ckpt_config = run_config(args, world)  # checked against the checkpoint by preflight() on --resume
+    if args.resume:  # every engine's state (model, optimizer, LR schedule) and the step
+        start_step = load_checkpoint(engines, ckpt_dir)
+        say(f"resumed from {latest_checkpoint(ckpt_dir)} at step {start_step}")
     log = RunLog(args.run_dir, __file__, {k: v for k, v in vars(args).items() if k != "funcs"}, rank, args.report_to,
+                 resume_step=start_step if args.resume else None,  # drop rows the killed run wrote after it
                  extra={"world_size": world, "ds_config_resolved": ds_config})  # what ran, metrics.jsonl, wandb
 
     def held_out(step, when):
@@ -462,7 +487,9 @@ def main(argv=None):
     ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
     guard = StepGuard(args.max_bad_steps)  # skipped non-finite steps: counted, and a stop after a few in a row
     t_start = time.time()
-    first = held_out(start_step, f"step {start_step}") if args.num_eval_prompts else float("nan")
+    first = float("nan")  # on resume the first held-out score is already in metrics.jsonl
+    if args.num_eval_prompts and not args.resume:
+        first = held_out(start_step, f"step {start_step}")
     G, N = args.num_generations, args.prompts_per_rank
     bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="grpo")
     for step in bar:
@@ -541,10 +568,10 @@ def main(argv=None):
             bar.write(f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} acc {row['accuracy']:.2f} "
                       f"len {row['completion_len']:.1f} entropy {row['entropy']:.2f} clip {row['clip_frac']:.3f}"
                       + (f" kl {row['kl']:.4f}" if "kl" in row else "") + f" {dt:.2f}s | {mem_line}")
-        if args.save_steps and (step + 1) % args.save_steps == 0:
-            engine.save_checkpoint(ckpt_dir, tag=f"step{step + 1}", client_state={"step": step + 1})
         if args.eval_steps and eval_rows and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             held_out(step + 1, f"step {step + 1}")
+        if args.save_steps and (step + 1) % args.save_steps == 0:  # after this step's rows: resume logs none twice
+            save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
 
     bar.close()
     if args.num_eval_prompts:

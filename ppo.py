@@ -53,6 +53,7 @@ from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distri
                       plan_micro_batches)
 from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_model_path, check_rows, check_vllm,
                     entry, load_tokenizer, long_prompt_warning, parse_args_quietly, probe_rewards)
+from checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from logprobs import model_logps, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
@@ -214,7 +215,9 @@ class Args:
     eval_steps: int = field(default=20, metadata={"help": "held-out reward every this many steps (and at start/end)"})
     num_eval_prompts: int = field(default=200, metadata={"help": "held-out prompts, one sample each; 0: no eval"})
     save_steps: int = field(default=0, metadata={"help": "DeepSpeed checkpoints every this many steps; 0: none"})
-    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir"})
+    save_total_limit: int = field(default=0, metadata={"help": "keep only this many newest checkpoints; 0: all"})
+    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir (same "
+                                                          "config and world size; see checkpoint.py)"})
     save_model: bool = field(default=True, metadata={"help": "write the final HF actor to <run_dir>/final"})
     report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
     preflight: bool = field(default=False, metadata={"help": "check data, models, tokenizer, rewards, DeepSpeed "
@@ -269,6 +272,21 @@ def deepspeed_config(args, world, hidden_size, dtype, lr):
     return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
 
 
+# Knobs that change memory, not the update (micro-batching never changes it: DESIGN.md problem 4), so a
+# run that ran out of memory can be resumed with one of them turned.
+MEMORY_KNOBS = ("micro_train_batch_size", "logprob_chunk_size", "gradient_checkpointing",
+                     "generation_batch_size", "gather_for_generation", "frozen_offload", "max_bad_steps", "micro")
+
+
+def run_config(args, world):
+    """What a checkpoint records and --resume must match (checkpoint.check_resume): the arguments, the
+    world size (ZeRO shards are per rank) and the DeepSpeed JSON's contents."""
+    with open(args.ds_config) as f:
+        ds = json.load(f)
+    return {**{k: v for k, v in vars(args).items() if k not in ("funcs", "weights")}, "world_size": world,
+            "ds_config_json": ds}
+
+
 def preflight(args, rank, world):
     """Every input checked before a model loads or a step runs; each failure a RunError saying what to
     change. run.sh runs this once in one process first (--preflight True); each rank runs it again."""
@@ -303,6 +321,11 @@ def preflight(args, rank, world):
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if args.frozen_offload and stage != 3:
         raise RunError(f"--frozen_offload needs ZeRO-3 ({args.ds_config} has stage {stage})")
+    if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
+        try:
+            check_resume(os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS)
+        except ValueError as e:
+            raise RunError(str(e)) from None
     return model_path, tokenizer, train_rows, eval_rows, dtype, stage
 
 
@@ -553,14 +576,13 @@ def main(argv=None):
                                                                                  **attn))
 
     start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
-    if args.resume:
-        if not os.path.exists(os.path.join(ckpt_dir, "actor", "latest")):
-            raise SystemExit(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
-        _, client = engine.load_checkpoint(os.path.join(ckpt_dir, "actor"))
-        critic_engine.load_checkpoint(os.path.join(ckpt_dir, "critic"))
-        start_step = client["step"]
-        say(f"resumed from {ckpt_dir} at step {start_step}")
+    engines = {"actor": engine, "critic": critic_engine}  # one sub-dir each in checkpoints/step<N>/ (checkpoint.py)
+    ckpt_config = run_config(args, world)  # checked against the checkpoint by preflight() on --resume
+    if args.resume:  # every engine's state (model, optimizer, LR schedule) and the step
+        start_step = load_checkpoint(engines, ckpt_dir)
+        say(f"resumed from {latest_checkpoint(ckpt_dir)} at step {start_step}")
     log = RunLog(args.run_dir, __file__, {k: v for k, v in vars(args).items() if k != "funcs"}, rank, args.report_to,
+                 resume_step=start_step if args.resume else None,  # drop rows the killed run wrote after it
                  extra={"world_size": world, "ds_config_resolved": ds_config(args.learning_rate)})
 
     def held_out(step, when):
@@ -583,7 +605,9 @@ def main(argv=None):
         scorers["ref_logps"] = ref_logps
 
     t_start = time.time()
-    first = held_out(start_step, f"step {start_step}") if args.num_eval_prompts else float("nan")
+    first = float("nan")  # on resume the first held-out score is already in metrics.jsonl
+    if args.num_eval_prompts and not args.resume:
+        first = held_out(start_step, f"step {start_step}")
     G, N = args.num_generations, args.prompts_per_rank
     bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="ppo")
     ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
@@ -649,11 +673,10 @@ def main(argv=None):
             bar.write(f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} kl {row['kl']:.4f} "
                       f"value_loss {row['value_loss']:.4f} entropy {row['entropy']:.2f} clip {row['clip']:.3f} "
                       f"{dt:.2f}s")
-        if args.save_steps and (step + 1) % args.save_steps == 0:
-            for name, e in (("actor", engine), ("critic", critic_engine)):
-                e.save_checkpoint(os.path.join(ckpt_dir, name), tag=f"step{step + 1}", client_state={"step": step + 1})
         if args.eval_steps and eval_rows and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             held_out(step + 1, f"step {step + 1}")
+        if args.save_steps and (step + 1) % args.save_steps == 0:  # after this step's rows: resume logs none twice
+            save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
 
     bar.close()
     if args.num_eval_prompts:

@@ -144,6 +144,24 @@ def test_bad_reward_function_is_named(env, capsys, func, message):
                  "checked before training")
 
 
+def test_resume_without_a_checkpoint_or_with_another_config(env, capsys):
+    from checkpoint import save_checkpoint
+    assert fails(capsys, preflight(grpo.main, env, "--resume", "True"), "--resume: no checkpoint under",
+                 "run with --save_steps N first")
+    base = ["--run_dir", str(env / "run"), "--num_eval_prompts", "10", "--ds_config",
+            os.path.join(ROOT, "configs", "zero3.json")]
+    save_checkpoint({}, str(env / "run" / "checkpoints"), 2, grpo.run_config(grpo.parse_args(base), 2))
+    assert preflight(grpo.main, env, "--resume", "True") == 0
+    # a memory knob may change on resume (the update does not depend on micro-batching) ...
+    assert preflight(grpo.main, env, "--resume", "True", "--per_device_train_batch_size", "8") == 0
+    # ... the algorithm and the world size may not
+    assert fails(capsys, preflight(grpo.main, env, "--resume", "True", "--learning_rate", "0.5"),
+                 "saved with another config", "learning_rate: 0.001 -> 0.5")
+    os.environ["WORLD_SIZE"] = "4"
+    assert fails(capsys, preflight(grpo.main, env, "--resume", "True"), "world_size: 2 -> 4", "ZeRO shards are per rank")
+    os.environ["WORLD_SIZE"] = "2"
+
+
 def test_unknown_loss_type_and_flags(env, capsys):
     assert fails(capsys, preflight(grpo.main, env, "--loss_type", "sum"), "choose one of ('grpo', 'bnpo', 'dr_grpo')")
     assert fails(capsys, preflight(grpo.main, env, "--no_such_flag", "1"), "unknown arguments ['--no_such_flag', '1']")

@@ -32,7 +32,8 @@ def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
     full = train_rows(a)
     assert [r["step"] for r in full] == [1, 2, 3]
     for name in ("final/config.json", "final/tokenizer.json", "curves.png", "args.json", "ppo.py",
-                 "checkpoints/actor/latest", "checkpoints/critic/latest"):
+                 "checkpoints/latest", "checkpoints/step2/actor", "checkpoints/step2/critic",
+                 "checkpoints/step2/config.json"):
         assert (a / name).exists(), name
     assert json.load(open(a / "args.json"))["ds_config_resolved"]["zero_optimization"]["stage"] == 3
     r = full[0]
@@ -54,6 +55,13 @@ def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
     for key in ("entropy", "kl", "value_mean", "value_loss", "policy_loss"):  # same actor, critic, optimizers
         assert resumed[0][key] == pytest.approx(full[2][key], rel=1e-5, abs=1e-7), key
     assert abs(resumed[0]["value_mean"] - full[0]["value_mean"]) > 1e-4  # not an untrained critic
+
+    # another config cannot resume: the message names what differs (before any step runs)
+    proc = run_sh("--max_steps", "4", "--resume", "True", "--critic_learning_rate", "0.5", env={"RUN_DIR": str(b)},
+                  wait=False)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 2 and "critic_learning_rate: " in out and "-> 0.5" in out, out[-3000:]  # pre-flight
+    assert [r["step"] for r in train_rows(b)] == [3]
 
 
 def test_zero3_reward_model_packing_offload(tmp_path):

@@ -1,0 +1,188 @@
+"""Atomic DeepSpeed checkpoints for the RL loops: save, prune, check a resume before loading, load.
+
+    from checkpoint import check_resume, load_checkpoint, save_checkpoint
+    config = {**{k: v for k, v in vars(args).items() if k not in ("funcs", "weights")}, "world_size": world}
+    ckpt_dir = os.path.join(args.run_dir, "checkpoints")
+    if args.resume:
+        check_resume(ckpt_dir, config)                 # pre-flight: file reads only, no process group
+    engines = {"policy": engine}                       # PPO: {"actor": engine, "critic": critic_engine}
+    start_step = load_checkpoint(engines, ckpt_dir) if args.resume else 0
+    for step in range(start_step, args.max_steps):
+        ...
+        if (step + 1) % args.save_steps == 0:          # every rank calls it
+            save_checkpoint(engines, ckpt_dir, step + 1, config, save_total_limit=2)
+
+Layout: ckpt_dir/step{N}/{engine name}/ holds DeepSpeed's files (every rank's ZeRO shards, optimizer
+and LR-scheduler states, {"step": N}), ckpt_dir/step{N}/config.json the run's config, and the file
+ckpt_dir/latest names the newest complete step dir.
+
+Why a kill at any moment loses nothing: every rank writes into ckpt_dir/.tmp-step{N}/; after a barrier
+(all shards written) rank 0 fsyncs them, renames the directory to step{N}, and only then replaces
+`latest` (temp file, fsync, os.replace): `latest` always names a complete checkpoint. Leftover
+.tmp-* dirs and step dirs newer than the one being saved (a killed run's) are removed on the next save.
+Assumes ckpt_dir is one filesystem seen by all ranks (shared across nodes), as DeepSpeed does.
+
+A resume is refused when the saved config differs from this run's in any key outside
+RESUME_MAY_CHANGE (ZeRO shards are per rank, so world_size may not change either): the run would not
+continue the same training. Imports no sibling file.
+"""
+
+import json
+import os
+import re
+import shutil
+
+import torch.distributed as dist
+
+# keys that only change how long the run goes, how often it saves or evaluates, and where it logs;
+# num_eval_prompts is NOT one of them: the held-out rows are split off the data, so it changes the
+# training rows and their order.
+RESUME_MAY_CHANGE = ("max_steps", "save_steps", "save_total_limit", "eval_steps", "report_to", "resume",
+                     "run_dir", "save_model", "estimate_memory", "preflight")
+STEP_DIR = re.compile(r"^step(\d+)$")
+
+
+def _rank():
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def jsonable(config):
+    """The JSON-able entries of `config`, as they read back from JSON (tuples become lists)."""
+    out = {}
+    for k, v in config.items():
+        try:
+            out[k] = json.loads(json.dumps(v))
+        except (TypeError, ValueError):  # functions, tensors, ...: not part of the comparable config
+            pass
+    return out
+
+
+def _fsync(path, directory=False):
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_dirs(ckpt_dir):
+    """{step: path} of the complete-looking step{N} dirs under ckpt_dir (never .tmp-*)."""
+    if not os.path.isdir(ckpt_dir):
+        return {}
+    found = {int(m.group(1)): os.path.join(ckpt_dir, name) for name in os.listdir(ckpt_dir)
+             if (m := STEP_DIR.match(name)) and os.path.isdir(os.path.join(ckpt_dir, name))}
+    return dict(sorted(found.items()))
+
+
+def latest_checkpoint(ckpt_dir):
+    """The step dir that ckpt_dir/latest names, or None when there is no checkpoint."""
+    path = os.path.join(ckpt_dir, "latest")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        name = f.read().strip()
+    if not STEP_DIR.match(name) or not os.path.isdir(os.path.join(ckpt_dir, name)):
+        return None  # not ours (an older DeepSpeed-only layout) or removed by hand
+    return os.path.join(ckpt_dir, name)
+
+
+def write_latest(ckpt_dir, name):
+    """Replace ckpt_dir/latest atomically: a reader sees the old name or the new one, never half a file."""
+    tmp = os.path.join(ckpt_dir, "latest.tmp")
+    with open(tmp, "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(ckpt_dir, "latest"))
+    _fsync(ckpt_dir, directory=True)
+
+
+def prune(ckpt_dir, step, save_total_limit):
+    """Keep the newest `save_total_limit` step dirs up to `step` (0: all); remove older ones, newer ones
+    (left by a killed run this one replays) and leftover .tmp-* dirs."""
+    steps = step_dirs(ckpt_dir)
+    keep = [s for s in steps if s <= step]
+    keep = set(keep[-save_total_limit:] if save_total_limit > 0 else keep)
+    for s, path in steps.items():
+        if s not in keep:
+            shutil.rmtree(path)
+    for name in os.listdir(ckpt_dir):
+        if name.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+
+
+def save_checkpoint(engines, ckpt_dir, step, config, save_total_limit=0):
+    """Every rank calls this. engines: {name: DeepSpeed engine}; config: the run's config (JSON-able
+    entries are kept, with world_size) that check_resume compares on resume. Returns the step dir."""
+    rank, name = _rank(), f"step{step}"
+    tmp, final = os.path.join(ckpt_dir, f".tmp-{name}"), os.path.join(ckpt_dir, name)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written save of this step by a killed run
+        os.makedirs(tmp)
+    _barrier()
+    for engine_name, engine in engines.items():  # every rank writes its own shards
+        engine.save_checkpoint(tmp, tag=engine_name, client_state={"step": step}, save_latest=False)
+    if rank == 0:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({**jsonable(config), "step": step}, f, indent=1)
+    _barrier()  # all ranks' files are written
+    if rank == 0:
+        for root, _, files in os.walk(tmp):  # on disk before the rename makes them the checkpoint
+            for file in files:
+                _fsync(os.path.join(root, file))
+        if os.path.exists(final):  # left by a killed run after its rename, before its `latest`
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync(ckpt_dir, directory=True)
+        write_latest(ckpt_dir, name)
+        prune(ckpt_dir, step, save_total_limit)
+    _barrier()
+    return final
+
+
+def check_resume(ckpt_dir, config, may_change=()):
+    """Raise ValueError saying what to change when `config` cannot resume from ckpt_dir's latest checkpoint:
+    none there, or a saved config that differs outside RESUME_MAY_CHANGE and `may_change` (a loop's
+    own knobs that leave the algorithm alone, e.g. the memory knobs). Returns the step dir."""
+    may_change = RESUME_MAY_CHANGE + tuple(may_change)
+    path = latest_checkpoint(ckpt_dir)
+    if path is None:
+        raise ValueError(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"--resume: {path} has no config.json (not saved by checkpoint.py); start a new run_dir")
+    with open(cfg_path) as f:
+        saved = json.load(f)
+    saved.pop("step", None)
+    now = jsonable(config)
+    diff = [k for k in sorted(set(saved) | set(now)) if k not in may_change and saved.get(k) != now.get(k)]
+    if diff:
+        lines = "\n".join(f"  {k}: {saved.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}" for k in diff)
+        world = " (ZeRO shards are per rank: launch as many processes as the saved run)" \
+            if "world_size" in diff else ""
+        raise ValueError(f"--resume: {path} was saved with another config (saved -> now){world}:\n{lines}\n"
+                         f"pass the saved values to resume, or start a new run_dir. May change on resume: "
+                         f"{', '.join(may_change)}")
+    return path
+
+
+def load_checkpoint(engines, ckpt_dir):
+    """Load every engine's weights, optimizer and LR-scheduler states from the latest checkpoint (every rank
+    calls it, on freshly built engines); returns the step it was saved at, where training resumes."""
+    path = latest_checkpoint(ckpt_dir)
+    if path is None:
+        raise ValueError(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
+    steps = set()
+    for name, engine in engines.items():
+        loaded, client = engine.load_checkpoint(path, tag=name)
+        if loaded is None:
+            raise ValueError(f"--resume: DeepSpeed could not load {os.path.join(path, name)}")
+        steps.add(client["step"])
+    if len(steps) != 1:
+        raise ValueError(f"--resume: the engines in {path} were saved at different steps {sorted(steps)}")
+    return steps.pop()
