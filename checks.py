@@ -23,7 +23,7 @@ A failure every rank sees alike (a config error) is printed by rank 0 only; a fa
 (a reward function raising on its own prompts, memory) is printed by that rank, prefixed with it,
 and torchrun stops the other ranks. A known failure is any exception with an `exit_code` attribute
 (RunError here, tasks.RewardError); anything else is a bug and keeps its traceback.
-Imports no sibling file.
+Imports tasks.py and batching.py, only inside check_inputs (the inputs both loops share).
 """
 
 import contextlib
@@ -111,6 +111,33 @@ def parse_args_quietly(dataclass_type, argv=None):
 
 
 # ---- Pre-flight: inputs, before any model is loaded or any step is taken --------------------------
+def check_inputs(args, rank):
+    """The inputs both loops share, checked in order: data (each JSONL line), training rows left, the
+    model (the built-in task's is built here by rank 0), its tokenizer and pad token, prompt lengths
+    (one warning), and the reward functions on real prompts (when args.funcs). Needs args.data,
+    num_eval_prompts, seed, run_dir, model, pad_token, max_prompt_length, funcs, weights.
+    Returns (train_rows, eval_rows, model_path, model config, tokenizer)."""
+    from batching import encode_prompts
+    from tasks import load_data, score_completions, task_model
+    try:
+        train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    check_rows(train_rows, eval_rows, args.data or "the built-in task")
+    os.makedirs(args.run_dir, exist_ok=True)
+    model_path = task_model(args.model, args.run_dir, rank, args.seed)  # no --model: a tiny one from scratch
+    config = check_model_path(model_path)
+    tokenizer = load_tokenizer(model_path, args.pad_token)
+    lengths = [len(p) for p in encode_prompts(tokenizer, train_rows[:20000] + eval_rows, 10**9)]
+    warning = long_prompt_warning(lengths, args.max_prompt_length)
+    if warning and rank == 0:
+        print(warning, file=sys.stderr)
+    if args.funcs:
+        probe_rewards(lambda rows, completions, g: score_completions(args.funcs, args.weights, rows, completions, g),
+                      train_rows)
+    return train_rows, eval_rows, model_path, config, tokenizer
+
+
 def check_model_path(path, flag="--model"):
     """A directory with a config.json, or a hub id already in the local cache; returns its config."""
     from transformers import AutoConfig

@@ -51,13 +51,13 @@ import torch
 
 from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distributed, make_batch, micro_slice,
                       plan_micro_batches)
-from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_model_path, check_rows, check_vllm,
-                    entry, load_tokenizer, long_prompt_warning, parse_args_quietly, probe_rewards)
+from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs, check_model_path, entry,
+                    load_tokenizer, parse_args_quietly)
 from checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from logprobs import model_logps, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
-from tasks import RewardError, batch_rows, load_data, reward_functions, score_completions, task_model
+from tasks import RewardError, batch_rows, reward_functions, score_completions
 
 OOM_HINTS = {  # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting memory)
     "rollout": "lower --generation_batch_size, or --gather_for_generation False (layer by layer), or a shorter "
@@ -290,28 +290,12 @@ def run_config(args, world):
 def preflight(args, rank, world):
     """Every input checked before a model loads or a step runs; each failure a RunError saying what to
     change. run.sh runs this once in one process first (--preflight True); each rank runs it again."""
-    check_vllm(False, 1, world)
-    try:
-        train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)
-    except ValueError as e:
-        raise RunError(str(e)) from None
-    check_rows(train_rows, eval_rows, args.data or "the built-in task")
-    os.makedirs(args.run_dir, exist_ok=True)
-    model_path = task_model(args.model, args.run_dir, rank, args.seed)  # no --model: a tiny one from scratch
-    config = check_model_path(model_path)
-    tokenizer = load_tokenizer(model_path, args.pad_token)
+    train_rows, eval_rows, model_path, config, tokenizer = check_inputs(args, rank)  # data, model, rewards
     if args.reward_model:
         check_model_path(args.reward_model, "--reward_model")
         if load_tokenizer(args.reward_model, args.pad_token).get_vocab() != tokenizer.get_vocab():
             raise RunError(f"--reward_model {args.reward_model} has another tokenizer than the actor; this loop "
                            "passes token ids as they are: use a reward model trained on the actor's tokenizer")
-    else:
-        probe_rewards(lambda rows, completions, g: score_completions(args.funcs, args.weights, rows, completions, g),
-                      train_rows)
-    warning = long_prompt_warning([len(p) for p in encode_prompts(tokenizer, train_rows[:20000] + eval_rows, 10**9)],
-                                  args.max_prompt_length)
-    if warning and rank == 0:
-        print(warning, file=sys.stderr)
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
     ds = check_ds_config(lambda: deepspeed_config(args, world, config.hidden_size, dtype, args.learning_rate),
