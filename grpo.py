@@ -28,7 +28,10 @@ Departures from the paper (DeepSeekMath, Shao et al. 2024) and why:
   all ranks) and DeepSpeed's own averaging is undone, so accumulation never changes the update.
 Shared with ppo.py, one file each: tasks.py (the built-in task, reward functions, data and its
 order), batching.py (prompt ids, padded batches, micro-batch plans, collectives), runlog.py
-(metrics.jsonl, wandb, peak memory, curves.png).
+(metrics.jsonl, wandb, curves.png), memory.py (peak memory per phase; out of memory names the phase
+and OOM_HINTS' knob), checks.py (every input checked before a model loads, one message and an exit
+code per failure, non-finite steps skipped and a streak stopped), checkpoint.py (atomic checkpoints;
+--resume replays the same data, samples and metrics).
 Limits: every rank loads the full checkpoint before DeepSpeed partitions it (no zero.Init,
 which needs `accelerate`); the held-out score is one sampled completion per prompt.
 """
