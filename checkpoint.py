@@ -162,7 +162,10 @@ def check_resume(ckpt_dir, config, may_change=()):
     now = jsonable(config)
     diff = [k for k in sorted(set(saved) | set(now)) if k not in may_change and saved.get(k) != now.get(k)]
     if diff:
-        lines = "\n".join(f"  {k}: {saved.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}" for k in diff)
+        def show(v):  # a whole DeepSpeed JSON would drown the line
+            r = repr(v)
+            return r if len(r) <= 120 else r[:117] + "..."
+        lines = "\n".join(f"  {k}: {show(saved.get(k, '<unset>'))} -> {show(now.get(k, '<unset>'))}" for k in diff)
         world = " (ZeRO shards are per rank: launch as many processes as the saved run)" \
             if "world_size" in diff else ""
         raise ValueError(f"--resume: {path} was saved with another config (saved -> now){world}:\n{lines}\n"
