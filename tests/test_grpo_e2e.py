@@ -1,7 +1,7 @@
 """End to end: `bash run.sh grpo` on 2 CPU processes, 2-3 steps each, on the default task.
 
-- ZeRO-3, HF generation (gathered), checkpoint, and resume: the resumed step reproduces the
-  uninterrupted run's step exactly (same data, same samples, same weights).
+- ZeRO-3, HF generation (gathered): what a run leaves (final model, curves, args, checkpoint,
+  per-phase memory); resume after kill -9 is tests/test_checkpoint.py's.
 - ZeRO-2, vLLM generation with weight sync, reference model (beta > 0), num_iterations 2,
   truncated importance sampling, loss_type grpo.
 - Two nodes on loopback (two launches with NNODES=2), ZeRO-3 sharded generation, token-budget
@@ -9,7 +9,6 @@
 """
 
 import json
-import shutil
 
 import pytest
 
@@ -24,33 +23,20 @@ def run_sh(*args, **kw):
     return conftest.run_sh("grpo", *args, *SMALL, **kw)  # SMALL last: it wins over the test's args
 
 
-def test_zero3_hf_checkpoint_and_resume(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
+def test_zero3_hf_outputs_and_checkpoint(tmp_path):
+    a = tmp_path / "a"
     out = run_sh("--max_steps", "3", "--save_steps", "2", env={"RUN_DIR": str(a)})
     assert "held-out reward: start" in out
     full = train_rows(a)
     assert [r["step"] for r in full] == [1, 2, 3]
     for name in ("final/config.json", "final/tokenizer.json", "curves.png", "args.json", "grpo.py",
-                 "checkpoints/latest"):
+                 "checkpoints/latest", "checkpoints/step2/config.json", "checkpoints/step2/policy"):
         assert (a / name).exists(), name
     assert json.load(open(a / "args.json"))["ds_config_resolved"]["zero_optimization"]["stage"] == 3
     assert full[0]["mem/update"] > 0 and full[0]["tokens_per_s"] > 0
     assert {"mem/rollout", "mem/optimizer_step"} <= set(full[0]) and "peak memory (peak RSS" in out  # ledger
 
-    # resume a copy of the run from its step-2 checkpoint: step 3 must come out the same
-    b.mkdir()
-    shutil.copytree(a / "model", b / "model")
-    shutil.copytree(a / "checkpoints", b / "checkpoints")
-    out = run_sh("--max_steps", "3", "--resume", "True", "--save_model", "False", env={"RUN_DIR": str(b)})
-    assert "resumed from" in out and "at step 2" in out
-    resumed = train_rows(b)
-    assert [r["step"] for r in resumed] == [3]
-    for key in ("reward", "accuracy", "completion_len", "rewards/correct_reward/mean"):
-        assert resumed[0][key] == full[2][key], key  # same prompts, same samples
-    # same weights and optimizer state: the policy's entropy on those samples matches (the loss
-    # does not show it: with num_iterations 1 its value is -mean advantage, whatever the weights)
-    assert resumed[0]["entropy"] == pytest.approx(full[2]["entropy"], rel=1e-5)
-    assert abs(resumed[0]["entropy"] - full[0]["entropy"]) > 1e-3  # and it is not the untrained model's
+    # kill -9 and --resume, compared step by step with an uninterrupted run: tests/test_checkpoint.py
 
 
 def test_zero2_vllm_reference_iterations(tmp_path):
