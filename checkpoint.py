@@ -1,7 +1,7 @@
 """Atomic DeepSpeed checkpoints for the RL loops: save, prune, check a resume before loading, load.
 
-    from checkpoint import check_resume, load_checkpoint, save_checkpoint
-    config = {**{k: v for k, v in vars(args).items() if k not in ("funcs", "weights")}, "world_size": world}
+    from checkpoint import check_resume, load_checkpoint, run_config, save_checkpoint
+    config = run_config(args, world)                   # vars(args), world size, the DeepSpeed JSON
     ckpt_dir = os.path.join(args.run_dir, "checkpoints")
     if args.resume:
         check_resume(ckpt_dir, config)                 # pre-flight: file reads only, no process group
@@ -114,6 +114,14 @@ def prune(ckpt_dir, step, save_total_limit):
     for name in os.listdir(ckpt_dir):
         if name.startswith(".tmp-"):
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+
+
+def run_config(args, world):
+    """What a checkpoint records and a resume must match: the arguments (vars(args); values JSON cannot
+    hold are dropped), the world size (ZeRO shards are per rank) and the DeepSpeed JSON's contents."""
+    with open(args.ds_config) as f:
+        ds = json.load(f)
+    return {**jsonable(vars(args)), "world_size": world, "ds_config_json": ds}
 
 
 def save_checkpoint(engines, ckpt_dir, step, config, save_total_limit=0):

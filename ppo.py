@@ -55,7 +55,7 @@ from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distri
                       plan_micro_batches)
 from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs, check_model_path, entry,
                     load_tokenizer, parse_args_quietly)
-from checkpoint import check_resume, latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import check_resume, latest_checkpoint, load_checkpoint, run_config, save_checkpoint
 from logprobs import model_logps, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
@@ -277,16 +277,7 @@ def deepspeed_config(args, world, hidden_size, dtype, lr):
 # Knobs that change memory, not the update (micro-batching never changes it: DESIGN.md problem 4), so a
 # run that ran out of memory can be resumed with one of them turned.
 MEMORY_KNOBS = ("micro_train_batch_size", "logprob_chunk_size", "gradient_checkpointing",
-                     "generation_batch_size", "gather_for_generation", "frozen_offload", "max_bad_steps", "micro")
-
-
-def run_config(args, world):
-    """What a checkpoint records and --resume must match (checkpoint.check_resume): the arguments, the
-    world size (ZeRO shards are per rank) and the DeepSpeed JSON's contents."""
-    with open(args.ds_config) as f:
-        ds = json.load(f)
-    return {**{k: v for k, v in vars(args).items() if k not in ("funcs", "weights")}, "world_size": world,
-            "ds_config_json": ds}
+                "generation_batch_size", "gather_for_generation", "frozen_offload", "max_bad_steps", "micro")
 
 
 def preflight(args, rank, world):

@@ -145,12 +145,12 @@ def test_bad_reward_function_is_named(env, capsys, func, message):
 
 
 def test_resume_without_a_checkpoint_or_with_another_config(env, capsys):
-    from checkpoint import save_checkpoint
+    from checkpoint import run_config, save_checkpoint
     assert fails(capsys, preflight(grpo.main, env, "--resume", "True"), "--resume: no checkpoint under",
                  "run with --save_steps N first")
     base = ["--run_dir", str(env / "run"), "--num_eval_prompts", "10", "--ds_config",
             os.path.join(ROOT, "configs", "zero3.json")]
-    save_checkpoint({}, str(env / "run" / "checkpoints"), 2, grpo.run_config(grpo.parse_args(base), 2))
+    save_checkpoint({}, str(env / "run" / "checkpoints"), 2, run_config(grpo.parse_args(base), 2))
     assert preflight(grpo.main, env, "--resume", "True") == 0
     # a memory knob may change on resume (the update does not depend on micro-batching) ...
     assert preflight(grpo.main, env, "--resume", "True", "--per_device_train_batch_size", "8") == 0
