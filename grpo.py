@@ -523,8 +523,9 @@ def main(argv=None):
         # 7. logging and saving --------------------------------------------------------------
         keys = sorted(sums)
         totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
-        grad_norm = engine.get_global_grad_norm()
-        guard.update(step + 1, totals["loss"], None if grad_norm is None else float(grad_norm), skipped > 0)
+        grad_norm = engine.get_global_grad_norm()  # a float or a 0-d tensor, by ZeRO stage and offload
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        guard.update(step + 1, totals["loss"], grad_norm, skipped > 0)
         allr = all_cat(torch.stack([rewards, gens.completion_mask.sum(1).float(), *per_func.values()], 1))
         # (world * B, 2 + F): total reward, completion length, each function
         dt, mem_line = time.time() - t0, ledger.line()
@@ -534,7 +535,7 @@ def main(argv=None):
                **{k: totals[k] / totals["tokens"] for k in ("entropy", "ratio", "clip_low", "clip_high", "kl")
                   if k in totals},
                "clip_frac": (totals["clip_low"] + totals["clip_high"]) / totals["tokens"],
-               "grad_norm": grad_norm and float(grad_norm), "skipped_steps": guard.skipped,
+               "grad_norm": grad_norm, "skipped_steps": guard.skipped,
                "lr": engine.get_lr()[0], "tokens_per_s": allr[:, 1].sum().item() / dt, "step_s": dt,
                "rollout_s": t_rollout, "update_s": t_update, "elapsed_s": time.time() - t_start,
                **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
