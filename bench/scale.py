@@ -35,7 +35,7 @@ TINY = dict(model_type="qwen2", vocab_size=4096, max_position_embeddings=2048, h
 PHASES = ("rollout", "update", "optimizer_step")
 
 
-def build_model(shape, dtype):
+def build_model(shape, dtype, out):
     """A random-weight model of `shape` with the task's char tokenizer, saved once; returns its directory."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -43,7 +43,7 @@ def build_model(shape, dtype):
     from memory import PRESETS
     from tasks import TASK_CHARS
     from tiny_models import build_tokenizer
-    path = os.path.join(OUT, "models", shape)
+    path = os.path.join(out, "models", shape)
     if os.path.exists(os.path.join(path, "model.safetensors.index.json")) or \
             os.path.exists(os.path.join(path, "model.safetensors")):
         return path
@@ -68,8 +68,8 @@ def ds_config(args):
     if not args.offload_params:
         del cfg["zero_optimization"]["offload_param"]
     cfg["optimizer"]["params"]["torch_adam"] = not args.cpu_adam
-    path = os.path.join(OUT, f"zero3_offload_opt{'_params' if args.offload_params else ''}.json")
-    os.makedirs(OUT, exist_ok=True)
+    path = os.path.join(args.out, f"zero3_offload_opt{'_params' if args.offload_params else ''}.json")
+    os.makedirs(args.out, exist_ok=True)
     json.dump(cfg, open(path, "w"), indent=1)
     return path, cfg
 
@@ -103,9 +103,9 @@ def estimate(shape, args, cfg, impl):
 def run(shape, impl, args):
     import torch
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and torch.cuda.is_available())
-    model = build_model(shape, torch.bfloat16 if bf16 else torch.float32)
+    model = build_model(shape, torch.bfloat16 if bf16 else torch.float32, args.out)
     ds, cfg = ds_config(args)
-    run_dir = os.path.join(OUT, "runs", f"{shape}-{impl}")
+    run_dir = os.path.join(args.out, "runs", f"{shape}-{impl}")
     script = "grpo.py" if impl == "fused" else os.path.join("bench", "naive_grpo.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
            str(args.master_port), script, *grpo_args(args, model, ds, run_dir)]
@@ -128,7 +128,7 @@ def run(shape, impl, args):
               "command": " ".join(["python", script, *grpo_args(args, "<model>", os.path.relpath(ds, ROOT),
                                                                  "<run_dir>")]),
               "device": _device()}
-    with open(os.path.join(OUT, "results.jsonl"), "a") as f:
+    with open(os.path.join(args.out, "results.jsonl"), "a") as f:
         f.write(json.dumps(result) + "\n")
     print(json.dumps(result, indent=1), flush=True)
     if proc.returncode != 0:
@@ -140,10 +140,10 @@ def _device():
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def table():
+def table(out):
     """The newest result per (shape, impl) as a Markdown table."""
     latest = {}
-    for r in map(json.loads, open(os.path.join(OUT, "results.jsonl"))):
+    for r in map(json.loads, open(os.path.join(out, "results.jsonl"))):
         latest[(r["shape"], r["impl"])] = r
     print("| shape | log-probs | completed | s/step | " + " | ".join(f"{p} GB measured / est." for p in PHASES)
           + " | device |")
@@ -170,9 +170,10 @@ def main():
     ap.add_argument("--master_port", type=int, default=29533)
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     ap.add_argument("--table", action="store_true", help="print the table of results.jsonl and exit")
+    ap.add_argument("--out", default=OUT, help="models, runs and results.jsonl")
     args = ap.parse_args()
     if args.table:
-        return table()
+        return table(args.out)
     for shape in args.shapes.split(","):
         if shape not in SHAPES + ("tiny",):
             raise SystemExit(f"--shapes {shape}: one of {SHAPES + ('tiny',)}")
