@@ -401,6 +401,7 @@ def estimate_run_memory(args):
         num_generations=args.num_generations, prompts_per_rank=args.prompts_per_rank, use_vllm=args.use_vllm,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization, gather_for_generation=args.gather_for_generation,
         generation_batch_size=args.generation_batch_size, reference_model=args.beta > 0, ref_offload=args.ref_offload,
+        logprob_chunk=(args.logprob_chunk_size or 2048, 4096),
         fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False))
 
 
