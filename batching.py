@@ -1,16 +1,19 @@
-"""Batch plumbing for the RL loops: prompts to ids, rollouts to a padded batch, micro-batches, collectives.
+"""Batch plumbing for the RL loops: prompts to ids, rollouts to a padded batch, micro-batches (padded or
+packed into one row), collectives.
 
     from batching import init_distributed, encode_prompts, make_batch, plan_micro_batches, micro_slice, all_sum
     rank, world, device = init_distributed()            # first: NCCL on GPUs, gloo on CPU
     prompt_ids = encode_prompts(tokenizer, rows, max_prompt_length)      # lists of ids, no padding
     batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)        # input_ids, attention_mask (B, T)
     plan = plan_micro_batches(batch, 8)                 # or by token budget: plan_micro_batches(batch, 8, 4096)
+    ids, pos, where = pack(mb)                          # packed: (1, N) ids and positions; unpack(out[where], cm)
     for idx in plan:                                    # None: this rank is short, repeat with weight 0
         mb = micro_slice(batch, plan[0] if idx is None else idx)
     (total,) = all_sum([local_count])                   # float64 sum over ranks, on the backend's device
 
 Letters in shape comments: B sequences on this rank, b in a micro-batch, P prompt tokens, C completion
-tokens, T = P + C, t <= T and c <= C after cutting all-padding columns. Prompts are left-padded,
+tokens, T = P + C, t <= T and c <= C after cutting all-padding columns, N tokens of a packed row and
+M completion tokens in it. Prompts are left-padded,
 completions right-padded, so every prompt ends and every completion starts at column P.
 
 Collectives put their tensors where the process group's backend needs them (`comm_device`: the
@@ -94,6 +97,29 @@ def micro_slice(batch, idx):
         if key not in out:
             out[key] = None if value is None else value[idx] if value.dim() == 1 else value[idx, :c]
     return out
+
+
+# ---- Packing: a micro-batch as one row without padding ---------------------------------------------
+def pack(mb):
+    """One row without padding: the micro-batch's sequences back to back, positions restarting at 0 for
+    each (transformers then masks attention per sequence). Returns input_ids (1, N), position_ids
+    (1, N) and `where` (M,): the positions whose next token is a completion token, in row-major
+    order of the (b, c) completion mask."""
+    ids, pos, where, offset = [], [], [], 0
+    for row, am, cm in zip(mb["input_ids"], mb["attention_mask"], mb["completion_mask"]):
+        seq = row[am.bool()]  # (L,) prompt + completion, no padding
+        n_c, L = int(cm.sum()), len(seq)
+        ids.append(seq)
+        pos.append(torch.arange(L))
+        where.append(torch.arange(offset + L - n_c - 1, offset + L - 1))  # position t predicts token t + 1
+        offset += L
+    return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(where)
+
+
+def unpack(flat, completion_mask):
+    """(M,) in row-major order of the mask -> (b, c), 0 where the mask is 0 (differentiable)."""
+    out = flat.new_zeros(completion_mask.shape)  # (b, c)
+    return out.masked_scatter(completion_mask.bool().to(flat.device), flat)
 
 
 # ---- The process group and collectives on its device ----------------------------------------------

@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distributed, make_batch, micro_slice,
-                      plan_micro_batches)
+from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distributed, make_batch, micro_slice, pack,
+                      plan_micro_batches, unpack)
 from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs, check_model_path, entry,
                     load_tokenizer, parse_args_quietly)
 from checkpoint import check_resume, latest_checkpoint, load_checkpoint, run_config, save_checkpoint
@@ -336,7 +336,7 @@ def score(args, rows, completions, num_generations, batch, plan, reward_model, d
     return score_completions(args.funcs, args.weights, rows, completions, num_generations)
 
 
-# ---- The critic, packing, and the forwards that score a micro-batch (padded or packed) -----------
+# ---- The critic, and the forwards that score a micro-batch (padded, or packed by batching.pack) -----
 class Critic(torch.nn.Module):
     """A causal LM's body + a scalar value head: forward -> (B, T) fp32 values, one per position."""
 
@@ -365,22 +365,6 @@ def build_critic(path, from_reward_model, dtype, attn_implementation):
     return Critic(body, head)
 
 
-def pack(mb):
-    """One row without padding: the micro-batch's sequences back to back, positions restarting at 0 for
-    each (transformers then masks attention per sequence). Returns input_ids (1, N), position_ids
-    (1, N) and `where` (M,): the positions whose next token is a completion token, in row-major
-    order of the (b, c) completion mask."""
-    ids, pos, where, offset = [], [], [], 0
-    for row, am, cm in zip(mb["input_ids"], mb["attention_mask"], mb["completion_mask"]):
-        seq = row[am.bool()]  # (L,) prompt + completion, no padding
-        n_c, L = int(cm.sum()), len(seq)
-        ids.append(seq)
-        pos.append(torch.arange(L))
-        where.append(torch.arange(offset + L - n_c - 1, offset + L - 1))  # position t predicts token t + 1
-        offset += L
-    return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(where)
-
-
 def forward_logps(model, mb, temperature, packing, device, return_entropy=False, chunk_size=0):
     """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed.
     chunk_size > 0: tokens per fused log-prob tile (logprobs.py's default otherwise)."""
@@ -406,12 +390,6 @@ def forward_values(critic, mb, packing, device):
     ids, pos, where = pack(mb)
     values = critic(input_ids=ids.to(device), attention_mask=None, position_ids=pos.to(device))  # (1, N)
     return unpack(values[0, where.to(device)], mb["completion_mask"])  # (b, c)
-
-
-def unpack(flat, completion_mask):
-    """(M,) in row-major order of the mask -> (b, c), 0 where the mask is 0 (differentiable)."""
-    out = flat.new_zeros(completion_mask.shape)  # (b, c)
-    return out.masked_scatter(completion_mask.bool().to(flat.device), flat)
 
 
 # ---- Micro-batches, rollout scoring and the update -----------------------------------------------

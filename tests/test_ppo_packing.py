@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batching import micro_slice
-from ppo import build_critic, forward_logps, forward_values, pack
+from batching import micro_slice, pack
+from ppo import build_critic, forward_logps, forward_values
 
 
 def ragged_batch(seed=0, B=5, C=4):
