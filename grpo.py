@@ -558,7 +558,8 @@ def main(argv=None):
     bar.close()
     if args.num_eval_prompts:
         last = held_out(args.max_steps, "end")
-        say(f"held-out reward: start {first:.3f} -> end {last:.3f} in {time.time() - t_start:.0f}s "
+        since = f"resumed at step {start_step}" if args.resume else f"start {first:.3f}"  # start: in metrics.jsonl
+        say(f"held-out reward: {since} -> end {last:.3f} in {time.time() - t_start:.0f}s "
             f"({args.max_steps - start_step} steps)")
     mem = ledger.summary()  # rank 0's peaks; the highest phase is where to look first when memory runs out
     say(mem["text"])
