@@ -42,6 +42,12 @@ RESUME_MAY_CHANGE = ("max_steps", "save_steps", "save_total_limit", "eval_steps"
 STEP_DIR = re.compile(r"^step(\d+)$")
 
 
+class ResumeError(ValueError):
+    """This run cannot resume; the message says why and what to change. exit_code makes checks.entry
+    print it as one line (every rank finds the same files) and exit 2."""
+    exit_code, everywhere = 2, True
+
+
 def _rank():
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -154,16 +160,16 @@ def save_checkpoint(engines, ckpt_dir, step, config, save_total_limit=0):
 
 
 def check_resume(ckpt_dir, config, may_change=()):
-    """Raise ValueError saying what to change when `config` cannot resume from ckpt_dir's latest checkpoint:
+    """Raise ResumeError saying what to change when `config` cannot resume from ckpt_dir's latest checkpoint:
     none there, or a saved config that differs outside RESUME_MAY_CHANGE and `may_change` (a loop's
     own knobs that leave the algorithm alone, e.g. the memory knobs). Returns the step dir."""
     may_change = RESUME_MAY_CHANGE + tuple(may_change)
     path = latest_checkpoint(ckpt_dir)
     if path is None:
-        raise ValueError(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
+        raise ResumeError(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise ValueError(f"--resume: {path} has no config.json (not saved by checkpoint.py); start a new run_dir")
+        raise ResumeError(f"--resume: {path} has no config.json (not saved by checkpoint.py); start a new run_dir")
     with open(cfg_path) as f:
         saved = json.load(f)
     saved.pop("step", None)
@@ -176,7 +182,7 @@ def check_resume(ckpt_dir, config, may_change=()):
         lines = "\n".join(f"  {k}: {show(saved.get(k, '<unset>'))} -> {show(now.get(k, '<unset>'))}" for k in diff)
         world = " (ZeRO shards are per rank: launch as many processes as the saved run)" \
             if "world_size" in diff else ""
-        raise ValueError(f"--resume: {path} was saved with another config (saved -> now){world}:\n{lines}\n"
+        raise ResumeError(f"--resume: {path} was saved with another config (saved -> now){world}:\n{lines}\n"
                          f"pass the saved values to resume, or start a new run_dir. May change on resume: "
                          f"{', '.join(may_change)}")
     return path
@@ -187,13 +193,13 @@ def load_checkpoint(engines, ckpt_dir):
     calls it, on freshly built engines); returns the step it was saved at, where training resumes."""
     path = latest_checkpoint(ckpt_dir)
     if path is None:
-        raise ValueError(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
+        raise ResumeError(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
     steps = set()
     for name, engine in engines.items():
         loaded, client = engine.load_checkpoint(path, tag=name)
         if loaded is None:
-            raise ValueError(f"--resume: DeepSpeed could not load {os.path.join(path, name)}")
+            raise ResumeError(f"--resume: DeepSpeed could not load {os.path.join(path, name)}")
         steps.add(client["step"])
     if len(steps) != 1:
-        raise ValueError(f"--resume: the engines in {path} were saved at different steps {sorted(steps)}")
+        raise ResumeError(f"--resume: the engines in {path} were saved at different steps {sorted(steps)}")
     return steps.pop()

@@ -22,7 +22,7 @@ gets exit 2 from run.sh and no torchrun summary):
 A failure every rank sees alike (a config error) is printed by rank 0 only; a failure of one rank
 (a reward function raising on its own prompts, memory) is printed by that rank, prefixed with it,
 and torchrun stops the other ranks. A known failure is any exception with an `exit_code` attribute
-(RunError here, tasks.RewardError); anything else is a bug and keeps its traceback.
+(RunError here, tasks.RewardError, checkpoint.ResumeError); anything else is a bug and keeps its traceback.
 Imports tasks.py and batching.py, only inside check_inputs (the inputs both loops share).
 """
 
@@ -71,7 +71,7 @@ def entry(main, argv=None):
         main(argv)
         return 0
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
-        if hasattr(e, "exit_code"):  # a RunError, or a sibling's own (tasks.RewardError): no traceback
+        if hasattr(e, "exit_code"):  # a RunError, or a sibling's own (RewardError, ResumeError): no traceback
             report(str(e), getattr(e, "everywhere", False))
             return e.exit_code
         if _peer_lost(e):  # another rank failed first and said why; a traceback here would only bury that

@@ -277,10 +277,7 @@ def preflight(args, rank, world):
                                 f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} completions "
                                 f"per optimizer step, in micro-batches of {args.micro}")
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
-        try:
-            check_resume(os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS)
-        except ValueError as e:
-            raise RunError(str(e)) from None
+        check_resume(os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS)
     return model_path, tokenizer, train_rows, eval_rows, dtype, ds_config
 
 

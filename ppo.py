@@ -299,10 +299,7 @@ def preflight(args, rank, world):
     if args.frozen_offload and stage != 3:
         raise RunError(f"--frozen_offload needs ZeRO-3 ({args.ds_config} has stage {stage})")
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
-        try:
-            check_resume(os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS)
-        except ValueError as e:
-            raise RunError(str(e)) from None
+        check_resume(os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS)
     return model_path, tokenizer, train_rows, eval_rows, dtype, stage
 
 
