@@ -66,7 +66,8 @@ def is_out_of_memory(e):
 
 
 def entry(main, argv=None):
-    """Run main(argv) and return the process exit code: 0, or a RunError's / out of memory's."""
+    """Run main(argv) and return the process exit code: 0; a known failure's own code (printed as one
+    line); 4 for out of memory; 1 when a collective failed because another rank went away first."""
     try:
         main(argv)
         return 0
