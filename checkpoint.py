@@ -22,6 +22,14 @@ Why a kill at any moment loses nothing: every rank writes into ckpt_dir/.tmp-ste
 .tmp-* dirs and step dirs newer than the one being saved (a killed run's) are removed on the next save.
 Assumes ckpt_dir is one filesystem seen by all ranks (shared across nodes), as DeepSpeed does.
 
+A new run (no --resume) refuses a run_dir that already holds checkpoints or metrics (check_new_run):
+it would replace the old checkpoints and append a second history to metrics.jsonl. --overwrite True
+removes them first (clear_run).
+
+Preemption (StopOnSignal): SIGTERM, what a job scheduler sends before it kills a job, or SIGINT
+(Ctrl-C) lets the step in progress finish, saves a checkpoint of it, and exits 5 (Stopped);
+--resume continues exactly as from any checkpoint. A second Ctrl-C stops at once.
+
 A resume is refused when the saved config differs from this run's in any key outside
 RESUME_MAY_CHANGE (ZeRO shards are per rank, so world_size may not change either): the run would not
 continue the same training. Imports no sibling file.
@@ -31,15 +39,20 @@ import json
 import os
 import re
 import shutil
+import signal
 
+import torch
 import torch.distributed as dist
 
 # keys that only change how long the run goes, how often it saves or evaluates, and where it logs;
 # num_eval_prompts is NOT one of them: the held-out rows are split off the data, so it changes the
 # training rows and their order.
 RESUME_MAY_CHANGE = ("max_steps", "save_steps", "save_total_limit", "eval_steps", "report_to", "resume",
-                     "run_dir", "save_model", "estimate_memory", "preflight")
+                     "run_dir", "save_model", "estimate_memory", "preflight", "overwrite")
 STEP_DIR = re.compile(r"^step(\d+)$")
+
+
+EXIT_STOPPED = 5  # checks.py's table of exit codes lists it
 
 
 class ResumeError(ValueError):
@@ -203,3 +216,87 @@ def load_checkpoint(engines, ckpt_dir):
     if len(steps) != 1:
         raise ResumeError(f"--resume: the engines in {path} were saved at different steps {sorted(steps)}")
     return steps.pop()
+
+
+# ---- A new run never overwrites an old one ------------------------------------------------------
+def previous_run(run_dir):
+    """What an earlier run left in run_dir that a new run would replace or append to ([] if nothing)."""
+    found = []
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+        found.append(f"checkpoints/ ({', '.join(sorted(os.listdir(ckpt_dir))[:4])})")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        with open(metrics) as f:
+            found.append(f"metrics.jsonl ({sum(1 for _ in f)} rows)")
+    return found
+
+
+def check_new_run(run_dir, resume, overwrite):
+    """Pre-flight, before anything is written: a new run may not land on an earlier run's files."""
+    if resume and overwrite:
+        raise ResumeError("--resume True and --overwrite True contradict each other: resume keeps the run "
+                          "directory's checkpoints and metrics, overwrite deletes them; pass one")
+    found = [] if resume or overwrite else previous_run(run_dir)
+    if found:
+        raise ResumeError(f"--run_dir {run_dir} already holds a run: {', '.join(found)}. Continue it with "
+                          f"--resume True, start in another directory (--run_dir, or RUN_DIR with run.sh), "
+                          f"or replace it with --overwrite True")
+
+
+def clear_run(run_dir):
+    """--overwrite True: rank 0 removes what an earlier run left (checkpoints, metrics, curves, final
+    model) before this run writes anything of its own."""
+    for name in ("checkpoints", "final"):
+        shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+    for name in ("metrics.jsonl", "curves.png"):
+        if os.path.exists(os.path.join(run_dir, name)):
+            os.remove(os.path.join(run_dir, name))
+
+
+# ---- Preemption: finish the step, checkpoint, exit ---------------------------------------------
+class Stopped(RuntimeError):
+    """The run stopped on a signal after saving a checkpoint; checks.entry prints it as one line."""
+    exit_code, everywhere, label = EXIT_STOPPED, True, "stopped"
+
+
+class StopOnSignal:
+    """SIGTERM or SIGINT: note it, and let the loop stop at the end of the step in progress.
+
+        stop = StopOnSignal()                       # installs the handlers
+        for step in ...:
+            ...                                     # the step, its metrics, its regular checkpoint
+            if signum := stop.requested():          # every rank, once per step: one small all-reduce
+                path = saved or save_checkpoint(engines, ckpt_dir, step + 1, config)
+                raise Stopped(stop.message(signum, step + 1, path))    # exit 5
+
+    The handler only sets a flag: a signal can land inside a collective, a forward or a save, and
+    Python runs the handler between bytecodes, so nothing is cut in half. requested() is a collective
+    so that every rank stops after the same step even when the signal reached one rank, or reached
+    the ranks in different steps. After the first SIGINT the default handler is back: a second
+    Ctrl-C raises KeyboardInterrupt at once (checks.entry_code: exit 130, no checkpoint).
+    torchrun forwards SIGTERM/SIGINT to its workers and kills them after TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+    seconds (torch's default 30; run.sh sets a longer default), so a step and a save must fit in it."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.received = 0
+        for s in signals:
+            signal.signal(s, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.received = self.received or signum
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def requested(self):
+        """The signal any rank received (a number, max over ranks), or 0; every rank must call it."""
+        flag = torch.tensor([self.received])
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    @staticmethod
+    def message(signum, step, ckpt_path):
+        return (f"{signal.Signals(signum).name} received; stopped after step {step} with a checkpoint "
+                f"({ckpt_path}). Continue with --resume True and the same --run_dir")

@@ -11,14 +11,17 @@ and the entry point that turns a known failure into one readable message and an 
         guard.update(step, loss=total_loss, grad_norm=engine.get_global_grad_norm(),
                      skipped=not engine.was_step_applied())     # raises RunError(code 3) after 3 in a row
     if __name__ == "__main__":
-        sys.exit(entry(main))
+        exit_process(entry_code(main))                   # never returns; see exit_process
 
-Exit codes of the training script (torchrun itself exits 1 when a child fails and prints each
+Exit codes of the training script (0: the run finished) (torchrun itself exits 1 when a child fails and prints each
 child's code in its summary; run.sh runs the pre-flight checks in one process first, so bad input
 gets exit 2 from run.sh and no torchrun summary):
     2  bad input or configuration: nothing was trained
     3  training diverged: non-finite loss or gradients in `max_bad_steps` steps in a row
     4  out of memory: the message names the phase and the knob that lowers its peak
+    5  stopped by SIGTERM or SIGINT after a step, with a checkpoint: continue with --resume True
+       (checkpoint.StopOnSignal)
+  130  a second Ctrl-C: stopped at once, no checkpoint
 A failure every rank sees alike (a config error) is printed by rank 0 only; a failure of one rank
 (a reward function raising on its own prompts, memory) is printed by that rank, prefixed with it,
 and torchrun stops the other ranks. A known failure is any exception with an `exit_code` attribute
@@ -30,9 +33,11 @@ import contextlib
 import importlib
 import io
 import json
+import logging
 import math
 import os
 import sys
+import traceback
 
 import torch
 
@@ -51,12 +56,12 @@ def _rank():
     return int(os.environ.get("RANK", 0))
 
 
-def report(message, everywhere=True):
+def report(message, everywhere=True, label="error"):
     """One line to stderr: from rank 0 when every rank has the same message, else from this rank."""
     if everywhere and _rank() != 0:
         return
     where = "" if everywhere else f"[rank {_rank()}] "
-    print(f"{where}error: {message}", file=sys.stderr, flush=True)
+    print(f"{where}{label}: {message}", file=sys.stderr, flush=True)
 
 
 def is_out_of_memory(e):
@@ -73,7 +78,7 @@ def entry(main, argv=None):
         return 0
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
         if hasattr(e, "exit_code"):  # a RunError, or a sibling's own (RewardError, ResumeError): no traceback
-            report(str(e), getattr(e, "everywhere", False))
+            report(str(e), getattr(e, "everywhere", False), getattr(e, "label", "error"))
             return e.exit_code
         if _peer_lost(e):  # another rank failed first and said why; a traceback here would only bury that
             print(f"[rank {_rank()}] stopped: lost the connection to another rank (its message above says why)",
@@ -88,6 +93,40 @@ def entry(main, argv=None):
             f"(configs/zero3_offload.json), or more GPUs; `--estimate_memory True` predicts each phase")
         report(msg, everywhere=False)
         return EXIT_OOM
+
+
+def entry_code(main, argv=None):
+    """entry(main, argv), and a code for what entry lets through: argparse's own exit (--help: 0, a
+    bad value: 2), a second Ctrl-C (130, one line), a bug (1, with its traceback)."""
+    try:
+        return entry(main, argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:
+        print(f"[rank {_rank()}] interrupted: stopped at once, no checkpoint written", file=sys.stderr,
+              flush=True)
+        return 130
+    except Exception:  # a bug: keep its traceback
+        traceback.print_exc()
+        return 1
+
+
+def exit_process(code):
+    """End this process now with `code`, skipping the interpreter's teardown.
+
+    Why: DeepSpeed keeps references to the process groups (its global `groups._WORLD_GROUP`, its
+    engines and ZeRO-3 parameters), so `destroy_process_group()` cannot free them and their gloo
+    threads (`gloo_tcp_loop`, `pt_gloo_runloop`) run on while Python tears the interpreter down and
+    the C++ runtime destroys its static objects under them. Now and then that aborted a run whose
+    work was done ("terminate called without an active exception", SIGABRT, torchrun exit 1).
+    Everything a run writes is closed or fsynced before this point (metrics.jsonl, checkpoints,
+    the final model, wandb.finish); stdio and logging are flushed here. multiprocessing ends its
+    own child processes the same way (os._exit after the target returns)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing left to flush into
+            stream.flush()
+    os._exit(code)
 
 
 def _peer_lost(e):

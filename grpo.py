@@ -47,9 +47,10 @@ from dataclasses import dataclass, field
 import torch
 
 from batching import all_cat, all_sum, encode_prompts, init_distributed, make_batch, micro_slice, plan_micro_batches
-from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs, check_vllm, entry,
-                    parse_args_quietly)
-from checkpoint import check_resume, latest_checkpoint, load_checkpoint, run_config, save_checkpoint
+from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs, check_vllm,
+                    entry_code, exit_process, parse_args_quietly)
+from checkpoint import (Stopped, StopOnSignal, check_new_run, check_resume, clear_run, latest_checkpoint,
+                        load_checkpoint, run_config, save_checkpoint)
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import batch_rows, reward_functions, score_completions
@@ -207,6 +208,8 @@ class Args:
     save_total_limit: int = field(default=0, metadata={"help": "keep only this many newest checkpoints; 0: all"})
     resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir (same "
                                                           "config and world size; see checkpoint.py)"})
+    overwrite: bool = field(default=False, metadata={"help": "a new run in a run_dir that holds an earlier "
+                                                             "run's checkpoints or metrics: delete them first"})
     save_model: bool = field(default=True, metadata={"help": "write the final HF model to <run_dir>/final"})
     report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
     estimate_memory: bool = field(default=False, metadata={"help": "print memory.py's per-phase, per-GPU estimate "
@@ -270,6 +273,7 @@ def preflight(args, rank, world):
     """Every input checked before a model loads or a step runs; each failure a RunError saying what to
     change. run.sh runs this once in one process first (--preflight True); each rank runs it again."""
     check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world)
+    check_new_run(args.run_dir, args.resume, args.overwrite)  # before anything is written to run_dir
     train_rows, eval_rows, model_path, config, tokenizer = check_inputs(args, rank)  # data, model, rewards
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
@@ -420,6 +424,9 @@ def main(argv=None):
     rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
     say = print if rank == 0 else (lambda *a, **k: None)
     model_path, tokenizer, train_rows, eval_rows, dtype, ds_config = preflight(args, rank, world)
+    if args.overwrite and rank == 0:
+        clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
+    dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
 
     # 2. models ------------------------------------------------------------------------------
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -470,6 +477,7 @@ def main(argv=None):
         first = held_out(start_step, f"step {start_step}")
     G, N = args.num_generations, args.prompts_per_rank
     bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="grpo")
+    stop = StopOnSignal()  # SIGTERM / Ctrl-C from here on: finish the step, checkpoint it, exit 5
     for step in bar:
         t0 = time.time()
         torch.manual_seed(args.seed * 7919 + step * world + rank)  # sampling replays exactly on resume
@@ -549,8 +557,12 @@ def main(argv=None):
                       + (f" kl {row['kl']:.4f}" if "kl" in row else "") + f" {dt:.2f}s | {mem_line}")
         if args.eval_steps and eval_rows and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             held_out(step + 1, f"step {step + 1}")
+        saved = None
         if args.save_steps and (step + 1) % args.save_steps == 0:  # after this step's rows: resume logs none twice
-            save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
+            saved = save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
+        if signum := stop.requested():  # SIGTERM or Ctrl-C on any rank: this step is done; keep it, stop
+            saved = saved or save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
+            raise Stopped(stop.message(signum, step + 1, saved))  # exit 5 (checkpoint.py)
 
     bar.close()
     if args.num_eval_prompts:
@@ -572,4 +584,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":  # vLLM spawns workers: keep the entry point guarded
-    sys.exit(entry(main))  # a RunError or out of memory: one message, an exit code (checks.py)
+    exit_process(entry_code(main))  # a known failure: one message and its exit code (checks.py)

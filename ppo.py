@@ -53,9 +53,10 @@ import torch
 
 from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distributed, make_batch, micro_slice, pack,
                       plan_micro_batches, unpack)
-from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs, check_model_path, entry,
-                    load_tokenizer, parse_args_quietly)
-from checkpoint import check_resume, latest_checkpoint, load_checkpoint, run_config, save_checkpoint
+from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs, check_model_path,
+                    entry_code, exit_process, load_tokenizer, parse_args_quietly)
+from checkpoint import (Stopped, StopOnSignal, check_new_run, check_resume, clear_run, latest_checkpoint,
+                        load_checkpoint, run_config, save_checkpoint)
 from logprobs import model_logps, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
@@ -220,6 +221,8 @@ class Args:
     save_total_limit: int = field(default=0, metadata={"help": "keep only this many newest checkpoints; 0: all"})
     resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir (same "
                                                           "config and world size; see checkpoint.py)"})
+    overwrite: bool = field(default=False, metadata={"help": "a new run in a run_dir that holds an earlier "
+                                                             "run's checkpoints or metrics: delete them first"})
     save_model: bool = field(default=True, metadata={"help": "write the final HF actor to <run_dir>/final"})
     report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
     preflight: bool = field(default=False, metadata={"help": "check data, models, tokenizer, rewards, DeepSpeed "
@@ -283,6 +286,7 @@ MEMORY_KNOBS = ("micro_train_batch_size", "logprob_chunk_size", "gradient_checkp
 def preflight(args, rank, world):
     """Every input checked before a model loads or a step runs; each failure a RunError saying what to
     change. run.sh runs this once in one process first (--preflight True); each rank runs it again."""
+    check_new_run(args.run_dir, args.resume, args.overwrite)  # before anything is written to run_dir
     train_rows, eval_rows, model_path, config, tokenizer = check_inputs(args, rank)  # data, model, rewards
     if args.reward_model:
         check_model_path(args.reward_model, "--reward_model")
@@ -487,6 +491,9 @@ def main(argv=None):
     rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
     say = print if rank == 0 else (lambda *a, **k: None)
     model_path, tokenizer, train_rows, eval_rows, dtype, stage = preflight(args, rank, world)
+    if args.overwrite and rank == 0:
+        clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
+    dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
 
     # 2. models ------------------------------------------------------------------------------
     attn = dict(dtype=dtype, attn_implementation=args.attn_implementation)
@@ -564,6 +571,7 @@ def main(argv=None):
     bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="ppo")
     ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
     guard = StepGuard(args.max_bad_steps)  # skipped non-finite steps: counted, and a stop after a few in a row
+    stop = StopOnSignal()  # SIGTERM / Ctrl-C from here on: finish the step, checkpoint it, exit 5
     for step in bar:
         t0 = time.time()
         torch.manual_seed(args.seed * 7919 + step * world + rank)  # sampling replays exactly on resume
@@ -627,8 +635,12 @@ def main(argv=None):
                       f"{dt:.2f}s")
         if args.eval_steps and eval_rows and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
             held_out(step + 1, f"step {step + 1}")
+        saved = None
         if args.save_steps and (step + 1) % args.save_steps == 0:  # after this step's rows: resume logs none twice
-            save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
+            saved = save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
+        if signum := stop.requested():  # SIGTERM or Ctrl-C on any rank: this step is done; keep it, stop
+            saved = saved or save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
+            raise Stopped(stop.message(signum, step + 1, saved))  # exit 5 (checkpoint.py)
 
     bar.close()
     if args.num_eval_prompts:
@@ -657,4 +669,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(entry(main))  # a RunError or out of memory: one message, an exit code (checks.py)
+    exit_process(entry_code(main))  # a known failure: one message and its exit code (checks.py)

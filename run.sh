@@ -17,11 +17,14 @@
 #   RUN_DIR      where metrics, checkpoints and the final model go (default runs/<algo>-<time>);
 #                resume with RUN_DIR=<that dir> bash run.sh grpo --resume True
 #   PREFLIGHT    0 skips the one-process check of every input before torchrun (default 1)
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get, after SIGTERM or Ctrl-C, to finish their
+#                step and save a checkpoint before torchrun kills them (default here 300; torch's: 30)
 #
-# Exit codes: 2 bad input (from the pre-flight check, nothing ran); once torchrun runs, it exits 1
-# when a rank fails and its summary shows the rank's code: 2 bad input (e.g. a reward function
-# that raised), 3 training diverged (non-finite steps in a row), 4 out of memory (the message
-# names the phase and the knob).
+# Exit codes: 0 the run finished; 2 bad input (from the pre-flight check, nothing ran); 5 stopped by
+# SIGTERM or Ctrl-C after finishing a step and saving its checkpoint (continue with --resume True);
+# once torchrun runs, it exits 1 when a rank fails and its summary shows the rank's code: 2 bad input
+# (e.g. a reward function that raised), 3 training diverged (non-finite steps in a row), 4 out of
+# memory (the message names the phase and the knob).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -42,7 +45,9 @@ if [[ $GPUS == 0 ]]; then
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 fi
 
-args=(--ds_config "${DS_CONFIG:-configs/zero3.json}" --run_dir "${RUN_DIR:-runs/$ALGO-$(date +%Y%m%d-%H%M%S)}")
+run_dir=${RUN_DIR:-runs/$ALGO-$(date +%Y%m%d-%H%M%S)}
+args=(--ds_config "${DS_CONFIG:-configs/zero3.json}" --run_dir "$run_dir")
+prev=""; for a in "$@"; do [[ $prev == --run_dir ]] && run_dir=$a; prev=$a; done   # the last one wins
 [[ -n "${DATA:-}" ]] && args+=(--data "$DATA")
 if [[ -n "${MODEL:-}" ]]; then
   args+=(--model "$MODEL")
@@ -63,7 +68,26 @@ if [[ ${PREFLIGHT:-1} != 0 ]]; then
   WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) python "$ALGO.py" "${args[@]}" "$@" --preflight True || exit $?
 fi
 
-set -x
-exec python -m torch.distributed.run --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
+# Preemption: SIGTERM (what a scheduler sends before it kills a job) or Ctrl-C goes to torchrun, which
+# passes it on to the ranks; they finish the step in progress, save its checkpoint and exit 5
+# (checkpoint.StopOnSignal), and torchrun ends with its own exit 1. This script then exits 5 when that
+# checkpoint was written, so a job script can requeue the run with --resume True.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
+set -x   # torchrun in a session of its own: a signal reaches it once, from the traps below
+setsid python -m torch.distributed.run --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
   --nproc_per_node "$NPROC" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \
-  "$ALGO.py" "${args[@]}" "$@"
+  "$ALGO.py" "${args[@]}" "$@" &
+{ set +x; } 2>/dev/null
+pid=$! signal="" signal_at=0
+trap 'signal=TERM signal_at=$(date +%s); kill -TERM $pid 2>/dev/null' TERM
+trap 'signal=INT signal_at=$(date +%s); kill -INT $pid 2>/dev/null' INT
+set +e
+wait $pid; rc=$?
+while kill -0 $pid 2>/dev/null; do wait $pid; rc=$?; done   # a trap cuts `wait` short: wait again
+latest=$run_dir/checkpoints/latest
+if [[ -n $signal && -f $latest && $(stat -c %Y "$latest") -ge $signal_at ]]; then
+  echo "run.sh: stopped by SIG$signal with a checkpoint ($(cat "$latest")); continue with" \
+       "RUN_DIR=$run_dir bash run.sh $ALGO ... --resume True" >&2
+  exit 5
+fi
+exit $rc

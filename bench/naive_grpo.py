@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
-from checks import entry  # noqa: E402
+from checks import entry_code, exit_process  # noqa: E402
 
 
 def naive_model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.0, return_entropy=False,
@@ -36,4 +36,4 @@ def naive_model_logps(model, input_ids, attention_mask, logits_to_keep, temperat
 if __name__ == "__main__":
     logprobs.model_logps = naive_model_logps
     torch.manual_seed(0)
-    sys.exit(entry(grpo.main))
+    exit_process(entry_code(grpo.main))

@@ -5,6 +5,7 @@ same metrics for every step after the checkpoint as an uninterrupted run, each s
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,22 +119,47 @@ def descendants(pid):
     return [d for c in out for d in descendants(c)] + out if out else []
 
 
-def test_kill_9_and_resume_matches_an_uninterrupted_run(tmp_path):
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    conftest.run_sh("grpo", *GRPO, env={"RUN_DIR": str(full)})
-    kill_after = random.Random(6).randint(3, 5)  # a step past the first checkpoint (step 2)
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The uninterrupted run that the killed and the stopped runs are compared with."""
+    run_dir = tmp_path_factory.mktemp("full") / "run"
+    conftest.run_sh("grpo", *GRPO, env={"RUN_DIR": str(run_dir)})
+    return run_dir
 
-    env = {**os.environ, "RUN_DIR": str(killed), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+
+def start_run_sh(run_dir, log_path, *args):
+    env = {**os.environ, "RUN_DIR": str(run_dir), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "NPROC": "2"}
-    with open(tmp_path / "killed.log", "w") as log:  # a file, not a pipe: nobody reads while it runs
-        proc = subprocess.Popen(["bash", "run.sh", "grpo", *GRPO], cwd=ROOT, env=env, stdout=log,
+    with open(log_path, "w") as log:  # a file, not a pipe: nobody reads while it runs
+        return subprocess.Popen(["bash", "run.sh", "grpo", *GRPO, *args], cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
+
+
+def wait_for_step(proc, run_dir, step, log_path):
     deadline = time.time() + 300
-    while not any(r["step"] >= kill_after for r in (train_rows(killed) if (killed / "metrics.jsonl").exists()
-                                                     else [])):
-        assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
+    while not any(r["step"] >= step for r in (train_rows(run_dir) if (run_dir / "metrics.jsonl").exists()
+                                               else [])):
+        assert proc.poll() is None, log_path.read_text()[-4000:]
         assert time.time() < deadline
         time.sleep(0.05)
+
+
+def assert_same_history(full, resumed):
+    want, got = history(full), history(resumed)
+    assert [r["step"] for r in train_rows(resumed)] == [1, 2, 3, 4, 5, 6]  # each step exactly once
+    assert len(got) == len(want)
+    for w, g in zip(want, got):  # every row, including the held-out evals, in the same order
+        assert w.keys() == g.keys(), (w, g)
+        for k in w:  # exactly: same data, same samples, same weights, optimizer and LR schedule
+            assert g[k] == w[k], (g["step"], k, w[k], g[k])
+
+
+def test_kill_9_and_resume_matches_an_uninterrupted_run(tmp_path, full):
+    killed = tmp_path / "killed"
+    kill_after = random.Random(6).randint(3, 5)  # a step past the first checkpoint (step 2)
+
+    proc = start_run_sh(killed, tmp_path / "killed.log")
+    wait_for_step(proc, killed, kill_after, tmp_path / "killed.log")
     # kill -9 the workers and torchrun at once, as a scheduler ending the job does (killing torchrun's
     # process group is not enough: torchrun starts each worker in a session of its own)
     workers = descendants(proc.pid)
@@ -146,12 +172,73 @@ def test_kill_9_and_resume_matches_an_uninterrupted_run(tmp_path):
 
     out = conftest.run_sh("grpo", *GRPO, "--resume", "True", env={"RUN_DIR": str(killed)})
     assert f"at step {saved}" in out
-    want, got = history(full), history(killed)
-    assert [r["step"] for r in train_rows(killed)] == [1, 2, 3, 4, 5, 6]  # each step exactly once
-    assert len(got) == len(want)
-    for w, g in zip(want, got):  # every row, including the held-out evals, in the same order
-        assert w.keys() == g.keys(), (w, g)
-        for k in w:  # exactly: same data, same samples, same weights, optimizer and LR schedule
-            assert g[k] == w[k], (g["step"], k, w[k], g[k])
+    assert_same_history(full, killed)
     assert sorted(os.listdir(killed / "checkpoints")) == ["latest", "step4", "step6"]  # --save_total_limit 2
     assert sorted(os.listdir(full / "checkpoints")) == ["latest", "step4", "step6"]
+
+
+def test_sigterm_finishes_the_step_checkpoints_it_and_resumes_exactly(tmp_path, full):
+    """A scheduler's SIGTERM to run.sh at step 3 (no regular save there): the ranks finish the step,
+    save checkpoints/step3 and stop; run.sh exits 5; --resume continues as if nothing happened."""
+    stopped, log = tmp_path / "stopped", tmp_path / "stopped.log"
+    proc = start_run_sh(stopped, log)
+    wait_for_step(proc, stopped, 2, log)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 5, log.read_text()[-4000:]
+    out = log.read_text()
+    step = int(open(stopped / "checkpoints" / "latest").read().removeprefix("step"))
+    assert step >= 2 and f"stopped: SIGTERM received; stopped after step {step} with a checkpoint" in out, out
+    assert "run.sh: stopped by SIGTERM" in out and 'grpo.py", line' not in out, out  # (torchrun: its own)
+    assert [r["step"] for r in train_rows(stopped)] == list(range(1, step + 1))  # the step it was in: done
+
+    out = conftest.run_sh("grpo", *GRPO, "--resume", "True", env={"RUN_DIR": str(stopped)})
+    assert f"at step {step}" in out
+    assert_same_history(full, stopped)
+
+
+def test_a_new_run_never_lands_on_an_old_one(tmp_path, full):
+    """Without --resume, run.sh refuses a run_dir holding checkpoints or metrics (exit 2, nothing written);
+    --overwrite True replaces the old run."""
+    run_dir = tmp_path / "again"
+    shutil.copytree(full, run_dir)
+    before = (run_dir / "metrics.jsonl").read_text()
+    proc = conftest.run_sh("grpo", *GRPO, env={"RUN_DIR": str(run_dir)}, wait=False)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out
+    assert "already holds a run: checkpoints/ (latest, step4, step6), metrics.jsonl (" in out, out
+    assert "--resume True" in out and "--overwrite True" in out and "Traceback" not in out, out
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["latest", "step4", "step6"]
+
+    conftest.run_sh("grpo", *GRPO, "--overwrite", "True", "--max_steps", "1", env={"RUN_DIR": str(run_dir)})
+    rows = history(run_dir)  # one history: the old run's rows are gone
+    assert [r["step"] for r in train_rows(run_dir)] == [1] and rows[0] == {"step": 0, **rows[0]}
+    assert sum("eval/reward" in r for r in rows) == 2  # at the start and at the end of this run only
+    assert not (run_dir / "checkpoints").exists()  # the old run's are gone, this one saved none
+
+
+@pytest.mark.parametrize("loop", ["grpo", "ppo"])
+def test_new_run_checks_in_the_preflight(tmp_path, monkeypatch, capsys, loop):
+    """Both loops' pre-flight (in this process): metrics or checkpoints refuse a new run, and
+    --resume with --overwrite contradict; an empty or model-only run_dir is fine."""
+    import importlib
+
+    from checks import entry
+    main = importlib.import_module(loop).main
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    run_dir = tmp_path / "run"
+
+    def preflight(*argv):
+        return entry(main, ["--preflight", "True", "--run_dir", str(run_dir), "--num_eval_prompts", "10",
+                            "--ds_config", os.path.join(ROOT, "configs", "zero3.json"), *argv])
+    assert preflight() == 0  # builds run_dir/model (the built-in task's model): not a run's output
+    assert preflight() == 0
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    capsys.readouterr()
+    assert preflight() == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "already holds a run: metrics.jsonl (1 rows)" in err, err
+    assert preflight("--overwrite", "True") == 0
+    assert preflight("--overwrite", "True", "--resume", "True") == 2
+    assert "contradict each other" in capsys.readouterr().err

@@ -9,6 +9,7 @@
 
 import json
 import shutil
+import signal
 
 import pytest
 
@@ -62,6 +63,26 @@ def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 2 and "critic_learning_rate: " in out and "-> 0.5" in out, out[-3000:]  # pre-flight
     assert [r["step"] for r in train_rows(b)] == [3]
+
+
+    # Ctrl-C (SIGINT to run.sh) during step 1 or 2: the ranks finish the step, save it, stop (exit 5);
+    # --resume then ends the run with the uninterrupted run's numbers
+    c = tmp_path / "c"
+    proc = run_sh("--max_steps", "3", env={"RUN_DIR": str(c)}, wait=False)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 1/3"):
+            proc.send_signal(signal.SIGINT)
+    out = "".join(lines)
+    assert proc.wait(timeout=300) == 5, out[-3000:]
+    step = int(open(c / "checkpoints" / "latest").read().removeprefix("step"))
+    assert step in (1, 2) and f"stopped: SIGINT received; stopped after step {step}" in out, out[-3000:]
+    run_sh("--max_steps", "3", "--resume", "True", "--save_model", "False", env={"RUN_DIR": str(c)})
+    rows = train_rows(c)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("reward", "completion_len", "entropy", "kl", "value_loss"):
+        assert rows[2][key] == pytest.approx(full[2][key], rel=1e-5, abs=1e-7), key
 
 
 def test_zero3_reward_model_packing_offload(tmp_path):
