@@ -25,6 +25,11 @@ the vocabulary (columns).
 Log-probs come back in fp32 whatever the model's dtype (ratios exp(logp - old)
 amplify bf16 rounding; fp64 inputs stay fp64). Position ids follow the attention mask, as in HF
 `generate`, so left-padded prompts score exactly as they were sampled.
+
+Logit soft-capping (Gemma-2/3's `final_logit_softcapping`): the model's forward turns the
+lm_head output x into cap * tanh(x / cap), and the sampler divides that by the temperature
+afterwards, so fused_logps scores z = cap * tanh(x / cap) / temperature inside each tile, and
+model_logps reads the cap from the model's config.
 """
 
 import torch
@@ -50,8 +55,8 @@ def default_chunk_size(vocab_size):
 
 # ----------------------------------------------------------------------------------
 # Per-tile math shared by selective_log_softmax and fused_logps. A tile z is (C, v):
-# C rows, the vocabulary slice [v0, v0 + v), fp32 logits already divided by the
-# temperature. The forward streams tiles through an online logsumexp (running max m,
+# C rows, the vocabulary slice [v0, v0 + v), fp32 logits already soft-capped and divided by
+# the temperature. The forward streams tiles through an online logsumexp (running max m,
 # running sum s of exp(z - m)); the backward turns each tile into its gradient in place.
 # ----------------------------------------------------------------------------------
 
@@ -200,13 +205,21 @@ def per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size
 # ----------------------------------------------------------------------------------
 
 
-def _tiles(h, weight, bias, temperature, vocab_chunk_size):
-    """Yield (v0, z (C, v) fp32 tempered logits) for the vocabulary slices of lm_head, one at a time."""
+def _tiles(h, weight, bias, temperature, softcap, vocab_chunk_size):
+    """Yield (v0, z (C, v) fp32) for the vocabulary slices of lm_head, one at a time:
+    z = cap * tanh(x / cap) / temperature for the lm_head output x (x / temperature when
+    softcap is 0), in place on the fp32 tile so capping adds no tile."""
     for v0 in range(0, weight.shape[0], vocab_chunk_size):
         w = weight[v0 : v0 + vocab_chunk_size]  # (v, H) a view
         z = h @ w.t() if bias is None else torch.addmm(bias[v0 : v0 + vocab_chunk_size], h, w.t())  # (C, v)
         z = z.to(_acc(z.dtype))  # (C, v) no copy when already fp32
-        yield v0, (z.mul_(1.0 / temperature) if temperature != 1.0 else z)
+        if softcap:
+            # in fp32, not the model's dtype: tanh squeezes large logits together, bf16 would
+            # round neighbours into ties
+            z.mul_(1.0 / softcap).tanh_().mul_(softcap / temperature)  # (C, v)
+        elif temperature != 1.0:
+            z.mul_(1.0 / temperature)  # (C, v)
+        yield v0, z
 
 
 class _FusedLogps(torch.autograd.Function):
@@ -214,29 +227,32 @@ class _FusedLogps(torch.autograd.Function):
 
     The recompute costs one extra (C, H) @ (H, v) matmul per tile: the price of never
     storing (N, V). Gradients accumulate in fp32 in place (addmm_): dH[rows] += d @ W[cols],
-    dW[cols] += d^T @ h, db[cols] += d.sum(0), so no temporary exceeds a tile.
+    dW[cols] += d^T @ h, db[cols] += d.sum(0), so no temporary exceeds a tile. A soft-cap
+    costs one more (C, v) tile in backward: its derivative, taken before the tile is
+    overwritten by the gradient.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, vocab_chunk_size, return_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size,
+                vocab_chunk_size, return_entropy):
         N = hidden.shape[0]
         logp = torch.empty(N, dtype=_acc(weight.dtype), device=hidden.device)  # (N,)
         lse = torch.empty_like(logp)  # (N,)
         entropy = torch.empty_like(logp) if return_entropy else None  # (N,)
         for s in range(0, N, chunk_size):
             rows = slice(s, s + chunk_size)
-            tiles = _tiles(hidden[rows], weight, bias, temperature, vocab_chunk_size)
+            tiles = _tiles(hidden[rows], weight, bias, temperature, softcap, vocab_chunk_size)
             logp[rows], lse[rows], ent = _stream_forward(tiles, targets[rows], return_entropy)
             if return_entropy:
                 entropy[rows] = ent
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.sizes = temperature, chunk_size, vocab_chunk_size
+        ctx.sizes = temperature, softcap, chunk_size, vocab_chunk_size
         return (logp, entropy) if return_entropy else logp
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy=None):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
-        temperature, chunk_size, vocab_chunk_size = ctx.sizes
+        temperature, softcap, chunk_size, vocab_chunk_size = ctx.sizes
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = lse.dtype
         # z = raw / T and the tile gradient is linear in (g_logp, g_entropy): fold 1/T in here.
@@ -250,22 +266,30 @@ class _FusedLogps(torch.autograd.Function):
             rows = slice(s, s + chunk_size)
             h = hidden[rows]  # (C, H)
             ent, g_ent = (None, None) if g_entropy is None else (entropy[rows], g_entropy[rows])
-            for v0, z in _tiles(h, weight, bias, temperature, vocab_chunk_size):
+            for v0, z in _tiles(h, weight, bias, temperature, softcap, vocab_chunk_size):
                 cols = slice(v0, v0 + z.shape[1])
+                # z = cap * tanh(x / cap) / T: dz/dx = (1 - tanh^2(x / cap)) / T, the 1/T
+                # already folded into g_logp; tanh(x / cap) = z * T / cap, read before
+                # _tile_grad overwrites z
+                dcap = None
+                if softcap:
+                    dcap = (z * (temperature / softcap)).square_().neg_().add_(1.0)  # (C, v)
                 d = _tile_grad(z, v0, targets[rows], lse[rows], g_logp[rows], ent, g_ent)  # (C, v)
+                if softcap:
+                    d.mul_(dcap)  # (C, v) d(loss)/dx
                 if need_h:
                     grad_h[rows].addmm_(d, weight[cols].to(acc))  # (C, H) += (C, v) @ (v, H)
                 if need_w:
                     grad_w[cols].addmm_(d.t(), h.to(acc))  # (v, H) += (v, C) @ (C, H)
                 if need_b:
                     grad_b[cols] += d.sum(0)  # (v,)
-                del z, d
+                del z, d, dcap
         return (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None,
-                grad_b.to(bias.dtype) if need_b else None, None, None, None, None, None)
+                grad_b.to(bias.dtype) if need_b else None, None, None, None, None, None, None)
 
 
 def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
-                return_entropy=False, vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE):
+                return_entropy=False, vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE, softcap=None):
     """log_softmax((hidden @ weight.T + bias) / temperature)[targets] without the (N, V) logits.
 
     hidden (N, H) (or (B, K, H), flattened and reshaped back), weight (V, H) the lm_head
@@ -275,6 +299,10 @@ def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=
     vocab_chunk_size vocabulary entries (an online logsumexp across the vocabulary), so no
     tensor larger than one tile exists in forward or backward besides the (V, H) fp32
     weight-gradient accumulator and the (N, H) hidden gradient.
+
+    softcap: Gemma-2/3's final_logit_softcapping. The logits x = hidden @ weight.T + bias
+    become cap * tanh(x / cap) before the temperature divides them, as the model's forward
+    and then the sampler apply them; None or 0 leaves them alone.
     """
     lead = hidden.shape[:-1]
     if targets.shape != lead:
@@ -284,9 +312,12 @@ def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=
                          " (under ZeRO-3 an empty weight means it is not gathered: use model_logps)")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    out = _FusedLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), float(temperature),
-                            chunk_size or DEFAULT_CHUNK_SIZE, vocab_chunk_size or DEFAULT_VOCAB_CHUNK_SIZE,
-                            return_entropy)
+    if softcap is not None and softcap < 0:
+        raise ValueError(f"softcap must be > 0 (or None / 0 for none), got {softcap}")
+    out = _FusedLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
+                            float(temperature), float(softcap or 0.0),
+                            chunk_size or DEFAULT_CHUNK_SIZE,
+                            vocab_chunk_size or DEFAULT_VOCAB_CHUNK_SIZE, return_entropy)
     if return_entropy:
         return out[0].view(lead), out[1].view(lead)
     return out.view(lead)
@@ -298,7 +329,8 @@ def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=
 
 
 def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
-                return_entropy=False, vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE, position_ids=None):
+                return_entropy=False, vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE, position_ids=None,
+                softcap=None):
     """Log-probs (B, K) fp32 of input_ids[:, -K:] (and entropies (B, K)) through fused_logps.
 
     Pass the DeepSpeed engine itself, not engine.module, when training: the engine's
@@ -315,16 +347,26 @@ def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.
     backward of the module's output, and reduce-scatter its gradient, exactly as for an
     ordinary lm_head call. Tied embeddings and gradient checkpointing (which never
     covers lm_head) need nothing special. The lm_head is restored on every exit path.
+
+    Soft-capped models (Gemma-2/3: `config.final_logit_softcapping`, read from the text
+    config of a multimodal model) are scored with that cap inside the fused op; the config's
+    cap is set to None for the call, so the model does not also tanh the log-probs that its
+    lm_head now returns, and put back on every exit path. softcap=None takes the config's
+    cap (none when it has none); a number overrides it, 0 scores without one.
     """
     _check_keep(input_ids, attention_mask, logits_to_keep)
     if position_ids is None:
         position_ids = positions_from_mask(torch.ones_like(input_ids) if attention_mask is None else attention_mask)
     module = getattr(model, "module", model)  # DeepSpeed engine -> its module
     config = getattr(module, "config", None)
-    for knob in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+    # a multimodal model's forward reads the cap from its text config (the config itself otherwise)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for knob in ("logit_scale", "output_multiplier_scale"):
         if getattr(config, knob, None) not in (None, 1.0):
             raise ValueError(f"config.{knob}={getattr(config, knob)} transforms logits after lm_head; "
                              "model_logps would skip it: use per_token_logps for this model")
+    own_cap = getattr(config, "final_logit_softcapping", None)
+    softcap = own_cap if softcap is None else softcap
     lm_head = module.get_output_embeddings()
     K = logits_to_keep
     targets = input_ids[:, -K:]  # (B, K)
@@ -332,11 +374,13 @@ def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.
     def fused_forward(hidden_states):  # (B, K + 1, H) when the model honours logits_to_keep, else (B, T, H)
         h = hidden_states[:, -K - 1 : -1]  # (B, K, H) position t predicts token t + 1
         out = fused_logps(h, lm_head.weight, targets, lm_head.bias, temperature, chunk_size, return_entropy,
-                          vocab_chunk_size)
+                          vocab_chunk_size, softcap)
         return torch.stack(out, -1) if return_entropy else out  # (B, K, 2) or (B, K): one tensor for the hooks
 
     saved = lm_head.__dict__.get("forward")  # an instance-level forward (e.g. a wrapper's) to put back
     lm_head.forward = fused_forward
+    if own_cap is not None:
+        config.final_logit_softcapping = None
     try:
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     logits_to_keep=K + 1, use_cache=False).logits  # (B, K) or (B, K, 2)
@@ -345,4 +389,6 @@ def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.
             del lm_head.forward
         else:
             lm_head.forward = saved
+        if own_cap is not None:
+            config.final_logit_softcapping = own_cap
     return (out[..., 0], out[..., 1]) if return_entropy else out

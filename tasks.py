@@ -9,7 +9,8 @@
 A row is a dict {"prompt": str, "answer": str}. A reward function is a plain callable
 (prompts, completions, answers) -> list[float], one value per completion; give your own as
 `module:function` (the module on PYTHONPATH). Imports no sibling file except `tiny_models`
-(only in `task_model`, for the from-scratch model of the built-in task).
+(only in `task_model`, for the from-scratch model of the built-in task). Rewards for real
+recipes (math answers, a <think> format, a length penalty) are in rewards.py.
 """
 
 import importlib

@@ -9,6 +9,7 @@ Methods (each in its own subprocess, so one method's peak never hides another's)
   per_token_logps        the upstream fix: one sequence at a time (batch_size=1), K + 1 logits
   selective_log_softmax  full logits, then gathered logit - logsumexp (no log_softmax copy)
   fused_logps            this project: lm_head + online log-softmax + gather fused per (C, v) tile
+  fused_logps_softcap    the same with Gemma-2's logit soft-cap, 30 * tanh(logits / 30), per tile
   liger                  Liger-Kernel 0.8.5 LigerFusedLinearPPOBase.chunk_forward, the peer to
                          beat (installed with --no-deps into bench/.liger, off the project's venv)
 
@@ -31,7 +32,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIGER_DIR = os.path.join(ROOT, "bench", ".liger")
 LIGER_VERSION = "0.8.5"
-METHODS = ["naive", "per_token_logps", "selective_log_softmax", "fused_logps", "liger"]
+METHODS = ["naive", "per_token_logps", "selective_log_softmax", "fused_logps",
+           "fused_logps_softcap", "liger"]
+GEMMA2_SOFTCAP = 30.0  # Gemma-2's final_logit_softcapping
 MiB = 2**20
 
 
@@ -95,6 +98,9 @@ def worker(method, B, T, H, V, device, chunk_size, vocab_chunk_size):
             logp = selective_log_softmax(h @ weight.t(), targets)
         elif method == "fused_logps":
             logp = fused_logps(h, weight, targets, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+        elif method == "fused_logps_softcap":
+            logp = fused_logps(h, weight, targets, chunk_size=chunk_size,
+                               vocab_chunk_size=vocab_chunk_size, softcap=GEMMA2_SOFTCAP)
         elif method == "liger":
             logp = LigerFusedLinearPPOBase.chunk_forward(h, weight, targets)
         (logp.float() * upstream).sum().backward()

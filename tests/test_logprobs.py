@@ -3,7 +3,8 @@
 fp32: values and gradients within 1e-5. bf16: inputs are rounded to bf16 and the
 reference is computed from the same bf16 tensors in fp32, so the only differences are
 the bf16 matmul / bf16 gradient outputs: values within 2e-2 absolute (the logits
-themselves are bf16), gradients within 2e-2 relative to their max.
+themselves are bf16), gradients within 2e-2 relative to their max. Soft-capping is checked
+in fp64 (within 1e-10), where only the order of summation differs from the reference.
 """
 
 import os
@@ -11,15 +12,16 @@ import os
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                          Gemma3TextConfig)
 
 from conftest import ROOT, torchrun
 from logprobs import positions_from_mask, fused_logps, model_logps, per_token_logps, selective_log_softmax
 
 
 def naive_from_logits(logits, index):
-    """(…, V), (…) -> (…) log-probs and entropies, the obvious way."""
-    lp = logits.float().log_softmax(-1)
+    """(…, V), (…) -> (…) log-probs and entropies, the obvious way (fp32; fp64 stays fp64)."""
+    lp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
     return lp.gather(-1, index[..., None]).squeeze(-1), -(lp.exp() * lp).sum(-1)
 
 
@@ -37,7 +39,7 @@ def grads(out, inputs, seed=0):
 
 def close(a, b, tol):
     assert a.shape == b.shape, (a.shape, b.shape)
-    err = (a.float() - b.float()).abs().max().item()
+    err = (a.double() - b.double()).abs().max().item()  # fp64: fp32 rounding would hide 1e-10
     assert err <= tol, f"max abs error {err} > {tol}"
 
 
@@ -88,10 +90,13 @@ def make_head(N=37, H=24, V=53, dtype=torch.float32, bias=True, seed=0):
     return hidden, weight, b, targets
 
 
-def naive_head(hidden, weight, bias, targets, temperature):
-    logits = hidden.float() @ weight.float().t()
+def naive_head(hidden, weight, bias, targets, temperature, softcap=None):
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    logits = hidden.to(acc) @ weight.to(acc).t()
     if bias is not None:
-        logits = logits + bias.float()
+        logits = logits + bias.to(acc)
+    if softcap:  # as Gemma2ForCausalLM.forward does it, then the sampler's temperature
+        logits = torch.tanh(logits / softcap) * softcap
     return naive_from_logits(logits / temperature, targets)
 
 
@@ -135,6 +140,49 @@ def test_fused_logps_gradcheck_fp64():
     fn = lambda h, w, bb: torch.cat(fused_logps(h, w, targets, bb, 0.9, chunk_size=4, return_entropy=True,  # noqa: E731
                                                 vocab_chunk_size=3))
     assert torch.autograd.gradcheck(fn, (hidden, weight, b))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+# 5 does not divide N = 37, nor 7 or 10 V = 53
+@pytest.mark.parametrize("chunk_size,vocab_chunk_size", [(None, None), (5, 7), (37, 10)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_logps_softcap_fp64_values_entropy_and_grads(temperature, chunk_size,
+                                                           vocab_chunk_size, bias):
+    hidden, weight, b, targets = make_head(dtype=torch.float64, bias=bias)
+    with torch.no_grad():
+        hidden.mul_(4)  # logits of a few units: the cap of 2 bends most of them
+    inputs = [t for t in (hidden, weight, b) if t is not None]
+    logp, ent = fused_logps(hidden, weight, targets, bias=b, temperature=temperature,
+                            chunk_size=chunk_size, return_entropy=True,
+                            vocab_chunk_size=vocab_chunk_size, softcap=2.0)
+    ref_lp, ref_ent = naive_head(hidden, weight, b, targets, temperature, softcap=2.0)
+    assert logp.dtype == torch.float64
+    close(logp, ref_lp, 1e-10)
+    close(ent, ref_ent, 1e-10)
+    uncapped = naive_head(hidden, weight, b, targets, temperature)[0]
+    assert (logp - uncapped).abs().max() > 0.5  # the cap really changes the scores
+    for out, ref, seed in ((logp, ref_lp, 0), (ent, ref_ent, 1)):  # log-prob alone, entropy alone
+        for a, r in zip(grads(out, inputs, seed), grads(ref, inputs, seed)):
+            close(a, r, 1e-10)
+    g = torch.randn(37, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    fa = torch.autograd.grad((logp * g).sum() - 0.3 * ent.sum(), inputs)
+    fr = torch.autograd.grad((ref_lp * g).sum() - 0.3 * ref_ent.sum(), inputs)
+    for a, r in zip(fa, fr):
+        close(a, r, 1e-10)
+
+
+def test_fused_logps_softcap_gradcheck_and_off_values():
+    hidden, weight, b, targets = make_head(N=6, H=5, V=7, dtype=torch.float64)
+    def fn(h, w, bb):
+        return torch.cat(fused_logps(h, w, targets, bb, 0.9, chunk_size=4, return_entropy=True,
+                                     vocab_chunk_size=3, softcap=1.5))
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight, b))
+    plain = fused_logps(hidden, weight, targets, b, 0.9)
+    for off in (None, 0, 0.0):  # no cap, whichever way it is said
+        assert torch.equal(fused_logps(hidden, weight, targets, b, 0.9, softcap=off), plain)
+    with pytest.raises(ValueError, match="softcap"):
+        fused_logps(hidden, weight, targets, softcap=-1.0)
 
 
 def test_fused_logps_bf16():
@@ -182,11 +230,13 @@ class LargestTensor(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("return_entropy", [False, True])
-def test_fused_logps_never_builds_n_by_v(return_entropy):
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_fused_logps_never_builds_n_by_v(return_entropy, softcap):
     N, H, V, C, v = 64, 8, 1000, 16, 96
     hidden, weight, _, targets = make_head(N=N, H=H, V=V, bias=False)
     with LargestTensor() as mode:
-        out = fused_logps(hidden, weight, targets, chunk_size=C, vocab_chunk_size=v, return_entropy=return_entropy)
+        out = fused_logps(hidden, weight, targets, chunk_size=C, vocab_chunk_size=v,
+                          return_entropy=return_entropy, softcap=softcap)
         loss = out[0].sum() + out[1].sum() if return_entropy else out.sum()
         loss.backward()
     # besides the (V, H) weight gradient and (N, H) hidden gradient, nothing exceeds one (C, v) tile
@@ -299,6 +349,53 @@ def test_logits_to_keep_validated(model):
             fn(model, ids, mask, ids.shape[1])
         with pytest.raises(ValueError, match="logits_to_keep"):
             fn(model, ids, mask, 0)
+
+
+# ---------------------------------------------------------------- soft-capped models (Gemma-2/3)
+
+
+def tiny_gemma(kind, cap):
+    """A 2-layer Gemma-2 or Gemma-3 text model in fp64 (head_dim 64, hidden 64, V = 50), tied
+    embeddings. initializer_range 0.4 gives logits of a few units, so a cap of 2 bends them."""
+    common = dict(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=1, num_key_value_heads=1, head_dim=64, initializer_range=0.4,
+                  final_logit_softcapping=cap)
+    config = Gemma2Config(**common) if kind == "gemma2" else Gemma3TextConfig(**common)
+    torch.manual_seed(0)
+    return (Gemma2ForCausalLM if kind == "gemma2" else Gemma3ForCausalLM)(config).double()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_model_logps_softcapped_model_matches_naive(kind):
+    model = tiny_gemma(kind, cap=2.0)
+    ids, mask = batch(model.config.vocab_size)
+    K = 9
+    logp, ent = model_logps(model, ids, mask, K, temperature=0.8, chunk_size=5, return_entropy=True,
+                            vocab_chunk_size=13)
+    assert model.config.final_logit_softcapping == 2.0  # put back after the call
+    ref_lp, ref_ent = naive_from_model(model, ids, mask, K, temperature=0.8)  # logits come capped
+    assert logp.dtype == torch.float64
+    close(logp, ref_lp, 1e-10)
+    close(ent, ref_ent, 1e-10)
+    params = list(model.parameters())
+    fa = torch.autograd.grad((logp * mask[:, -K:]).sum() + 0.1 * ent.sum(), params)
+    fr = torch.autograd.grad((ref_lp * mask[:, -K:]).sum() + 0.1 * ref_ent.sum(), params)
+    for a, r in zip(fa, fr):
+        close(a, r, 1e-10)
+    # the cap matters here, and an explicit softcap overrides the config's (0: none)
+    uncapped = model_logps(model, ids, mask, K, temperature=0.8, softcap=0)
+    model.config.final_logit_softcapping = None
+    close(uncapped, naive_from_model(model, ids, mask, K, temperature=0.8)[0], 1e-10)
+    assert (uncapped - logp).abs().max() > 0.1
+
+
+def test_model_logps_puts_the_cap_back_on_error():
+    model = tiny_gemma("gemma2", cap=2.0)
+    ids, mask = batch(model.config.vocab_size)
+    ids[0, -1] = model.config.vocab_size + 5  # out of range target
+    with pytest.raises((RuntimeError, IndexError)):
+        model_logps(model, ids, mask, 4)
+    assert model.config.final_logit_softcapping == 2.0 and "forward" not in model.lm_head.__dict__
 
 
 # ---------------------------------------------------------------- DeepSpeed, 2 processes
