@@ -13,8 +13,8 @@
             save_checkpoint(engines, ckpt_dir, step + 1, config, save_total_limit=2)
 
 Layout: ckpt_dir/step{N}/{engine name}/ holds DeepSpeed's files (every rank's ZeRO shards, optimizer
-and LR-scheduler states, {"step": N}), ckpt_dir/step{N}/config.json the run's config, and the file
-ckpt_dir/latest names the newest complete step dir.
+and LR-scheduler states, {"step": N}), ckpt_dir/step{N}/config.json the run's config and the size of
+every file saved, and the file ckpt_dir/latest names the newest complete step dir.
 
 Why a kill at any moment loses nothing: every rank writes into ckpt_dir/.tmp-step{N}/; after a barrier
 (all shards written) rank 0 fsyncs them, renames the directory to step{N}, and only then replaces
@@ -32,7 +32,8 @@ Preemption (StopOnSignal): SIGTERM, what a job scheduler sends before it kills a
 
 A resume is refused when the saved config differs from this run's in any key outside
 RESUME_MAY_CHANGE (ZeRO shards are per rank, so world_size may not change either): the run would not
-continue the same training. Imports no sibling file.
+continue the same training; and when the checkpoint's metadata is corrupt or a file it recorded is
+missing or cut short (copied by hand, a disk filled up). Imports no sibling file.
 """
 
 import json
@@ -154,11 +155,12 @@ def save_checkpoint(engines, ckpt_dir, step, config, save_total_limit=0):
     _barrier()
     for engine_name, engine in engines.items():  # every rank writes its own shards
         engine.save_checkpoint(tmp, tag=engine_name, client_state={"step": step}, save_latest=False)
-    if rank == 0:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({**jsonable(config), "step": step}, f, indent=1)
     _barrier()  # all ranks' files are written
-    if rank == 0:
+    if rank == 0:  # the config, and each file's size: check_resume finds a missing or cut shard
+        paths = sorted(os.path.join(root, f) for root, _, files in os.walk(tmp) for f in files)
+        files = {os.path.relpath(p, tmp): os.path.getsize(p) for p in paths}
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({**jsonable(config), "step": step, "files": files}, f, indent=1)
         for root, _, files in os.walk(tmp):  # on disk before the rename makes them the checkpoint
             for file in files:
                 _fsync(os.path.join(root, file))
@@ -174,18 +176,34 @@ def save_checkpoint(engines, ckpt_dir, step, config, save_total_limit=0):
 
 def check_resume(ckpt_dir, config, may_change=()):
     """Raise ResumeError saying what to change when `config` cannot resume from ckpt_dir's latest checkpoint:
-    none there, or a saved config that differs outside RESUME_MAY_CHANGE and `may_change` (a loop's
-    own knobs that leave the algorithm alone, e.g. the memory knobs). Returns the step dir."""
+    none there, `latest` naming no step dir, a config.json that is not the saved config (corrupt), a
+    file the save recorded missing or of another size, or a saved config that differs outside
+    RESUME_MAY_CHANGE and `may_change` (a loop's own knobs that leave the algorithm alone, e.g. the
+    memory knobs). Returns the step dir."""
     may_change = RESUME_MAY_CHANGE + tuple(may_change)
     path = latest_checkpoint(ckpt_dir)
+    if path is None and os.path.isfile(os.path.join(ckpt_dir, "latest")):
+        with open(os.path.join(ckpt_dir, "latest"), errors="replace") as f:
+            name = f.read().strip()
+        found = ", ".join(os.path.basename(p) for p in step_dirs(ckpt_dir).values()) or "none"
+        raise ResumeError(f"--resume: {ckpt_dir}/latest names {name[:80]!r}, which is not a step "
+                          f"dir there (found: {found}); write the name of a complete one into it")
     if path is None:
         raise ResumeError(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ResumeError(f"--resume: {path} has no config.json (not saved by checkpoint.py); start a new run_dir")
-    with open(cfg_path) as f:
-        saved = json.load(f)
+    try:
+        with open(cfg_path) as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict) or not isinstance(saved.get("files", {}), dict):
+            raise ValueError(f"a {type(saved).__name__}, not the saved config")
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or not an object
+        raise ResumeError(f"--resume: {cfg_path} is corrupt ({str(e)[:120]}); resume from an "
+                          f"earlier step dir (write its name into {ckpt_dir}/latest) or start a "
+                          f"new run_dir") from None
     saved.pop("step", None)
+    check_files(path, saved.pop("files", None), ckpt_dir)
     now = jsonable(config)
     diff = [k for k in sorted(set(saved) | set(now)) if k not in may_change and saved.get(k) != now.get(k)]
     if diff:
@@ -199,6 +217,25 @@ def check_resume(ckpt_dir, config, may_change=()):
                          f"pass the saved values to resume, or start a new run_dir. May change on resume: "
                          f"{', '.join(may_change)}")
     return path
+
+
+def check_files(path, files, ckpt_dir):
+    """Every file the save recorded ({relative path: size}) is in `path` at its size; None (a
+    checkpoint saved before sizes were recorded): nothing to check."""
+    if files is None:
+        return
+    bad = []
+    for name, size in files.items():
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            bad.append(f"{name} (missing)")
+        elif os.path.getsize(full) != size:
+            bad.append(f"{name} ({os.path.getsize(full)} bytes, saved {size})")
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise ResumeError(f"--resume: {path} is incomplete: {bad[0]}{more}; resume from an "
+                          f"earlier step dir (write its name into {ckpt_dir}/latest) or start a "
+                          f"new run_dir")
 
 
 def load_checkpoint(engines, ckpt_dir):

@@ -30,6 +30,8 @@ Imports tasks.py and batching.py, only inside check_inputs (the inputs both loop
 """
 
 import contextlib
+import copy
+import dataclasses
 import importlib
 import io
 import json
@@ -38,6 +40,7 @@ import math
 import os
 import sys
 import traceback
+import types
 
 import torch
 
@@ -138,33 +141,95 @@ def _peer_lost(e):
 
 def parse_args_quietly(dataclass_type, argv=None):
     """HfArgumentParser, with argparse's usage and error text printed by rank 0 only (argparse exits 2);
-    an argument no field takes is a RunError."""
-    from transformers import HfArgumentParser
+    an argument no field takes, or a value outside its field's "range", is a RunError."""
     quiet = _rank() != 0
     sink = io.StringIO()
     with contextlib.redirect_stderr(sink) if quiet else contextlib.nullcontext(), \
             contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
-        args, unknown = HfArgumentParser(dataclass_type).parse_args_into_dataclasses(argv, return_remaining_strings=True)
+        args, unknown = _parser(dataclass_type).parse_args_into_dataclasses(
+            argv, return_remaining_strings=True)
     if unknown:
         raise RunError(f"unknown arguments {unknown}: `python {os.path.basename(sys.argv[0])} --help` lists them")
+    check_ranges(args)
     return args
+
+
+# ---- Argument ranges: declared once, in each Args field's metadata -------------------------------
+# field(default=1.0, metadata={"help": ..., "range": "(0, 1]", "why": "optional reason"}); a range
+# is "> a", ">= a" or an interval "(a, b]", "[a, b)", ...; a value outside it, NaN, inf: refused.
+RANGE_KEYS = ("range", "why")
+
+
+def _parser(dataclass_type):
+    """HfArgumentParser that keeps "range" and "why" out of argparse (which takes no such keywords)
+    and shows the range at the end of the field's --help ("...; must be > 0")."""
+    from transformers import HfArgumentParser
+
+    class Parser(HfArgumentParser):
+        @staticmethod
+        def _parse_dataclass_field(parser, field):
+            if "range" in field.metadata:
+                meta = {k: v for k, v in field.metadata.items() if k not in RANGE_KEYS}
+                rule = describe_range(field.metadata["range"])
+                meta["help"] = f"{meta.get('help', '')}; must be {rule}"
+                field = copy.copy(field)
+                field.metadata = types.MappingProxyType(meta)
+            HfArgumentParser._parse_dataclass_field(parser, field)
+
+    return Parser(dataclass_type)
+
+
+def _bounds(rule):
+    """(low, low open, high, high open): "> 0" -> (0, True, inf, False), "[0, 1)" -> (0, False, 1,
+    True)."""
+    rule = rule.strip()
+    if rule.startswith(">"):
+        return float(rule.lstrip(">=").strip()), not rule.startswith(">="), math.inf, False
+    low, high = rule[1:-1].split(",")
+    return float(low), rule[0] == "(", float(high), rule[-1] == ")"
+
+
+def describe_range(rule):
+    """"> 0" stays as it is; an interval reads "in [0, 1)"."""
+    return rule if rule.startswith(">") else f"in {rule}"
+
+
+def in_range(value, rule):
+    low, low_open, high, high_open = _bounds(rule)
+    if not math.isfinite(value):
+        return False
+    above = value > low if low_open else value >= low
+    return above and (value < high if high_open else value <= high)
+
+
+def check_ranges(args):
+    """Every field of the Args dataclass `args` whose metadata has a "range" holds a finite value in
+    it; else a RunError naming the flag, the value and the range."""
+    for f in dataclasses.fields(args):
+        rule, value = f.metadata.get("range"), getattr(args, f.name)
+        if rule is not None and not in_range(value, rule):
+            why = f" ({f.metadata['why']})" if "why" in f.metadata else ""
+            raise RunError(f"--{f.name} {value}: must be {describe_range(rule)}{why}")
 
 
 # ---- Pre-flight: inputs, before any model is loaded or any step is taken --------------------------
 def check_inputs(args, rank):
-    """The inputs both loops share, checked in order: data (each JSONL line), training rows left, the
-    model (the built-in task's is built here by rank 0), its tokenizer and pad token, prompt lengths
-    (one warning), and the reward functions on real prompts (when args.funcs). Needs args.data,
-    num_eval_prompts, seed, run_dir, model, pad_token, max_prompt_length, funcs, weights.
-    Returns (train_rows, eval_rows, model_path, model config, tokenizer)."""
+    """The inputs both loops share, checked in order: the DeepSpeed JSON's shape (what this project
+    supports), data (each JSONL line), training rows left, answers for the rewards that read them,
+    the model (the built-in task's is built here by rank 0) and its weights, its tokenizer (eos and
+    pad tokens), prompt lengths (one warning), the reward functions on real prompts (args.funcs).
+    Needs args.ds_config, data, num_eval_prompts, seed, run_dir, model, pad_token,
+    max_prompt_length, funcs, weights. Returns (train_rows, eval_rows, model_path, model config,
+    tokenizer)."""
     from batching import encode_prompts
     from tasks import load_data, score_completions, task_model
+    read_ds_json(args.ds_config)
     try:
         train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)
     except ValueError as e:
         raise RunError(str(e)) from None
     check_rows(train_rows, eval_rows, args.data or "the built-in task")
-    os.makedirs(args.run_dir, exist_ok=True)
+    check_answers(args.funcs, train_rows + eval_rows, args.data)
     model_path = task_model(args.model, args.run_dir, rank, args.seed)  # no --model: a tiny one from scratch
     config = check_model_path(model_path)
     tokenizer = load_tokenizer(model_path, args.pad_token)
@@ -173,17 +238,48 @@ def check_inputs(args, rank):
     if warning and rank == 0:
         print(warning, file=sys.stderr)
     if args.funcs:
+        # the first prompts, and the first row with no answer (a function may fail on answer None)
+        rest = train_rows[2:] + eval_rows
+        probe = train_rows[:2] + [r for r in rest if r.get("answer") is None][:1]
+        hint = ""
+        if any(r.get("answer") is None for r in probe):
+            hint = f"; {answerless_row(args.data)} has no \"answer\" field (the functions get None)"
         probe_rewards(lambda rows, completions, g: score_completions(args.funcs, args.weights, rows, completions, g),
-                      train_rows)
+                      probe, hint=hint)
     return train_rows, eval_rows, model_path, config, tokenizer
 
 
-def check_model_path(path, flag="--model"):
-    """A directory with a config.json, or a hub id already in the local cache; returns its config."""
+def answerless_row(data):
+    """'--data PATH line N (prompt ...)': the first JSONL row whose "answer" is missing or null."""
+    with open(data) as f:
+        for n, line in enumerate(f, 1):
+            row = json.loads(line) if line.strip() else {}
+            if row and row.get("answer") is None:
+                return f"--data {data} line {n} (prompt {row['prompt'][:40]!r})"
+    return f"a row of --data {data}"
+
+
+def check_answers(funcs, rows, data):
+    """Rows whose "answer" is missing or null while a reward function reads answers (its attribute
+    needs_answer is True, as for tasks.correct_reward and exact_match_reward) could never score."""
+    needy = [f"{f.__module__}.{f.__name__}" for f in funcs if getattr(f, "needs_answer", False)]
+    missing = sum(r.get("answer") is None for r in rows)
+    if needy and missing:
+        raise RunError(f"{answerless_row(data)} has no \"answer\" ({missing} of {len(rows)} rows "
+                       f"lack one), and the reward {', '.join(needy)} compares completions with "
+                       f"it: add an answer to every row, or pass --reward_funcs that do not read "
+                       f"answers")
+
+
+def check_model_path(path, flag="--model", need_weights=True):
+    """A directory with a config.json (and weights, unless need_weights is False), or a hub id
+    already in the local cache; returns its config."""
     from transformers import AutoConfig
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise RunError(f"{flag} {path}: the directory has no config.json; point it at a saved transformers "
                        f"model (save_pretrained) or a hub id")
+    if os.path.isdir(path) and need_weights:
+        check_weights(path, flag)
     if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
         raise RunError(f"{flag} {path}: no such directory; give a saved model's directory or a hub id")
     try:
@@ -193,14 +289,59 @@ def check_model_path(path, flag="--model"):
                        f"be downloaded beforehand on an offline machine (HF_HUB_OFFLINE=1)") from None
 
 
-def load_tokenizer(path, pad_token=""):
-    """The model's tokenizer; one without a pad token gets `pad_token` or a RunError saying so."""
+def check_sequence_classifier(config, path, flag="--reward_model"):
+    """A reward model is a sequence classifier with one label (its score head gives the reward):
+    the config's architectures end with ForSequenceClassification (if it names any); 1 label."""
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise RunError(f"{flag} {path} is a {archs[0]}, not a sequence classifier: give a model "
+                       f"saved from AutoModelForSequenceClassification with num_labels=1 (its "
+                       f"score is the reward), or drop {flag} for rule-based --reward_funcs")
+    if archs and config.num_labels != 1:
+        raise RunError(f"{flag} {path} has {config.num_labels} labels; this loop reads one score "
+                       f"per sequence: give a reward model with num_labels=1")
+
+
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def check_weights(path, flag="--model"):
+    """A model directory holds weights: *.safetensors or pytorch_model*.bin, and every shard that
+    its index json names."""
+    names = os.listdir(path)
+    for index in (n for n in WEIGHT_INDEXES if n in names):
+        try:
+            with open(os.path.join(path, index)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise RunError(f"{flag} {path}: cannot read {index} ({type(e).__name__}: {e}); copy "
+                           f"the model directory again") from None
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise RunError(f"{flag} {path}: {index} names {len(shards)} weight files and "
+                           f"{len(missing)} are not there (first: {missing[0]}); copy the whole "
+                           f"model directory")
+        return
+    if not any(n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin"))
+               for n in names):
+        raise RunError(f"{flag} {path}: the directory has a config.json but no weights "
+                       f"(*.safetensors, pytorch_model*.bin or an index of shards); save the model "
+                       f"with save_pretrained, not only its config")
+
+
+def load_tokenizer(path, pad_token="", need_eos=True):
+    """The model's tokenizer; one without an eos token (when need_eos: generation could never stop)
+    is a RunError, one without a pad token gets `pad_token` or a RunError saying so."""
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:
         raise RunError(f"cannot load a tokenizer from {path} ({str(e).splitlines()[0][:200]}); save one next "
                        f"to the model (tokenizer.save_pretrained)") from None
+    if need_eos and tok.eos_token_id is None:
+        raise RunError(f"the tokenizer of {path} has no eos token, so a completion could never end "
+                       f"before --max_completion_length: set one (tokenizer.eos_token = ...; "
+                       f"save_pretrained)")
     if pad_token:
         if tok.convert_tokens_to_ids(pad_token) in (None, tok.unk_token_id):
             raise RunError(f"--pad_token {pad_token!r} is not in the vocabulary of {path}'s tokenizer")
@@ -255,33 +396,97 @@ def check_global_batch(raw, path, world, group_size):
                            f"multiple of {world * group_size}")
 
 
-def check_ds_config(load, path, per_step_desc):
-    """Run `load()` (zero3_utils.load_ds_config with the CLI's values); its ValueError, which says which
-    value of the JSON contradicts which argument, becomes a RunError naming the file."""
+SUPPORTED_DS = ("ZeRO stage 0, 1, 2 or 3; bf16 (\"bf16\": {\"enabled\": \"auto\"}) or fp32, no "
+                "fp16 or amp; offload_optimizer (stage >= 1) and offload_param (stage 3) to "
+                "\"cpu\" or \"none\"; no ZeRO++ quantization, hpZ or MiCS")
+DS_OFF = {  # ZeRO options this project leaves off, and their off values
+    "zero_quantized_weights": (None, False), "zero_quantized_nontrainable_weights": (None, False),
+    "zero_quantized_gradients": (None, False), "zero_hpz_partition_size": (None, 0, 1),
+    "mics_shard_size": (None, -1, 0)}
+
+
+def read_ds_json(path):
+    """The DeepSpeed JSON as a dict, or a RunError: unreadable, not JSON, not an object, or asking
+    for something this project does not support (check_ds_support)."""
     try:
         with open(path) as f:
-            json.load(f)
+            raw = json.load(f)
     except OSError as e:
         raise RunError(f"--ds_config {path}: cannot read it ({e.strerror}); see configs/*.json") from None
-    except json.JSONDecodeError as e:
-        raise RunError(f"--ds_config {path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f"line {e.lineno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise RunError(f"--ds_config {path}: not valid JSON ({where})") from None
+    check_ds_support(raw, path)
+    return raw
+
+
+def check_ds_support(cfg, path):
+    """What the loops and zero3_utils are written and tested for (SUPPORTED_DS); anything else is a
+    RunError. fp16: DeepSpeed's dynamic loss scaling skips steps by design, which StepGuard takes
+    for divergence, and the loops load models in bf16 or fp32. nvme offload, ZeRO++ (quantized
+    weights or gradients, hpZ) and MiCS change how parameters are held: never run here."""
+    def refuse(what):
+        raise RunError(f"--ds_config {path}: {what} is not supported; this project runs "
+                       f"{SUPPORTED_DS} (see configs/*.json)")
+    if not isinstance(cfg, dict):
+        raise RunError(f"--ds_config {path}: the JSON is a {type(cfg).__name__}, not an object "
+                       f"{{...}}; see configs/*.json")
+    for section in ("fp16", "amp"):
+        if isinstance(cfg.get(section), dict) and cfg[section].get("enabled", False) is not False:
+            refuse(f"\"{section}\" enabled ({cfg[section]['enabled']!r})")
+    zero = cfg.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        refuse(f"zero_optimization as a {type(zero).__name__}")
+    stage = zero.get("stage", 0)
+    if type(stage) is not int or stage not in (0, 1, 2, 3):
+        refuse(f"zero_optimization.stage {stage!r}")
+    for key, min_stage in (("offload_optimizer", 1), ("offload_param", 3)):
+        section = zero.get(key)
+        if section is None:
+            continue
+        device = section.get("device", "none") if isinstance(section, dict) else section
+        if device not in ("none", "cpu"):
+            refuse(f"zero_optimization.{key} device {device!r}")
+        if device == "cpu" and stage < min_stage:
+            refuse(f"zero_optimization.{key} under stage {stage}")
+    for key, off in DS_OFF.items():
+        if zero.get(key) not in off:
+            refuse(f"zero_optimization.{key} {zero[key]!r}")
+
+
+def check_ds_config(load, path, per_step_desc):
+    """Read the JSON (read_ds_json) and run `load()` (zero3_utils.load_ds_config with the CLI's
+    values): its ValueError, which says which value of the JSON contradicts which argument, becomes
+    a RunError naming the file. Then DeepSpeed's own check of the filled zero_optimization section
+    (a misspelt key, a wrong type) runs here rather than in deepspeed.initialize on every rank."""
+    read_ds_json(path)
     try:
-        return load()
+        cfg = load()
     except ValueError as e:
         raise RunError(f"--ds_config {path} contradicts the command line: {e}. This run takes {per_step_desc}; "
                        f"leave such values \"auto\" in the JSON and set them with the script's arguments") from None
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    try:
+        DeepSpeedZeroConfig(**cfg.get("zero_optimization", {}))
+    except ValueError as e:  # pydantic's ValidationError
+        first = e.errors()[0] if hasattr(e, "errors") else {"loc": (), "msg": str(e)}
+        where = ".".join(str(k) for k in first["loc"])
+        raise RunError(f"--ds_config {path}: zero_optimization.{where}: {first['msg']} "
+                       f"(DeepSpeed's own check); see configs/*.json") from None
+    return cfg
 
 
-def probe_rewards(score, rows, num_generations=2):
+def probe_rewards(score, rows, num_generations=2, hint=""):
     """Call the reward functions once on a few real prompts (completions: the answer, and an empty one), so
-    one that raises, miscounts or returns NaN fails now, named, instead of at step 1 on some rank."""
-    rows = rows[:2]
-    completions = [c for r in rows for c in (str(r.get("answer", "")), "")][:len(rows) * num_generations]
+    one that raises, miscounts or returns NaN fails now, named, instead of at step 1 on some rank.
+    `hint` ends the message (check_inputs: which probed row has no answer)."""
+    answers = ["" if r.get("answer") is None else str(r["answer"]) for r in rows]
+    completions = [c for a in answers for c in (a, "")][:len(rows) * num_generations]
     try:
         score(rows, completions, num_generations)
     except ValueError as e:  # tasks.score_completions names the function
-        raise RunError(f"{e} (checked before training on {len(completions)} completions of the first "
-                       f"{len(rows)} prompts)") from None
+        raise RunError(f"{e} (checked before training on {len(completions)} completions of "
+                       f"{len(rows)} prompts){hint}") from None
 
 
 # ---- During training: non-finite steps ----------------------------------------------------------

@@ -47,8 +47,9 @@ from dataclasses import dataclass, field
 import torch
 
 from batching import all_cat, all_sum, encode_prompts, init_distributed, make_batch, micro_slice, plan_micro_batches
-from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs, check_vllm,
-                    entry_code, exit_process, parse_args_quietly)
+from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs,
+                    check_model_path, check_vllm, entry_code, exit_process, parse_args_quietly,
+                    read_ds_json)
 from checkpoint import (Stopped, StopOnSignal, check_new_run, check_resume, clear_run, latest_checkpoint,
                         load_checkpoint, run_config, save_checkpoint)
 from memory import MemoryLedger
@@ -158,54 +159,84 @@ class Args:
     reward_weights: str = field(default="", metadata={"help": "one weight per reward; empty: 0.25,0.75 (task) or 1s"})
     run_dir: str = field(default="runs/grpo", metadata={"help": "metrics.jsonl, args, checkpoints, final model"})
     ds_config: str = field(default="configs/zero3.json", metadata={"help": "DeepSpeed JSON, \"auto\" from these args"})
-    seed: int = field(default=0, metadata={"help": "data order, sampling and (default task) model init"})
+    seed: int = field(default=0, metadata={
+        "help": "data order, sampling and (default task) model init", "range": ">= 0"})
     # rollout
-    prompts_per_rank: int = field(default=16, metadata={"help": "prompts per rank per step, G completions each"})
-    num_generations: int = field(default=8, metadata={"help": "G: completions per prompt, one group"})
-    max_prompt_length: int = field(default=512, metadata={"help": "prompt tokens kept (from the left end)"})
-    max_completion_length: int = field(default=2, metadata={"help": "C: new tokens per completion"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (log-probs use it too)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
+    prompts_per_rank: int = field(default=16, metadata={
+        "help": "prompts per rank per step, G completions each", "range": ">= 1"})
+    num_generations: int = field(default=8, metadata={
+        "help": "G: completions per prompt, one group",
+        "range": ">= 2", "why": "advantages compare completions within a group"})
+    max_prompt_length: int = field(default=512, metadata={
+        "help": "prompt tokens kept (from the left end)", "range": ">= 1"})
+    max_completion_length: int = field(default=2, metadata={
+        "help": "C: new tokens per completion", "range": ">= 1"})
+    temperature: float = field(default=1.0, metadata={
+        "help": "sampling temperature (log-probs use it too)", "range": "> 0"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling", "range": "(0, 1]"})
     use_vllm: bool = field(default=False, metadata={"help": "generate with a colocated vLLM engine per rank"})
     gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3: gather to generate (fast); "
                                                                         "False: sharded, layer by layer (fits)"})
-    generation_resident_gb: float = field(default=0.0, metadata={"help": "with gather_for_generation False: keep "
-                                                                       "this many GB of layers gathered (middle mode)"})
-    generation_batch_size: int = field(default=256, metadata={"help": "HF generate: sequences per call"})
-    vllm_batch_size: int = field(default=0, metadata={"help": "vLLM: prompts per call, 0 = all at once"})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM's share of GPU memory"})
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "ranks sharing one vLLM engine"})
-    vllm_importance_cap: float = field(default=0.0, metadata={"help": "> 0: truncated importance weights "
-                                                                      "min(exp(trainer - vLLM logp), cap); 0: off"})
+    generation_resident_gb: float = field(default=0.0, metadata={
+        "help": "with gather_for_generation False: keep this many GB of layers gathered "
+                "(middle mode)", "range": ">= 0"})
+    generation_batch_size: int = field(default=256, metadata={
+        "help": "HF generate: sequences per call", "range": ">= 1"})
+    vllm_batch_size: int = field(default=0, metadata={
+        "help": "vLLM: prompts per call, 0 = all at once", "range": ">= 0"})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={
+        "help": "vLLM's share of GPU memory", "range": "(0, 1]"})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks sharing one vLLM engine", "range": ">= 1"})
+    vllm_importance_cap: float = field(default=0.0, metadata={
+        "help": "> 0: truncated importance weights min(exp(trainer - vLLM logp), cap); 0: off",
+        "range": ">= 0"})
     # loss and update
     loss_type: str = field(default="bnpo", metadata={"help": f"one of {LOSS_TYPES}"})
-    beta: float = field(default=0.0, metadata={"help": "KL weight; 0 builds no reference model"})
-    epsilon_low: float = field(default=0.2, metadata={"help": "ratio clipped below at 1 - epsilon_low"})
-    epsilon_high: float = field(default=0.2, metadata={"help": "ratio clipped above at 1 + epsilon_high"})
+    beta: float = field(default=0.0, metadata={
+        "help": "KL weight; 0 builds no reference model", "range": ">= 0"})
+    epsilon_low: float = field(default=0.2, metadata={
+        "help": "ratio clipped below at 1 - epsilon_low", "range": "[0, 1)"})
+    epsilon_high: float = field(default=0.2, metadata={
+        "help": "ratio clipped above at 1 + epsilon_high", "range": ">= 0"})
     scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group std"})
-    num_iterations: int = field(default=1, metadata={"help": "optimizer steps per generated batch"})
-    learning_rate: float = field(default=1e-3, metadata={"help": "peak LR (from scratch; ~1e-6 pretrained)"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    warmup_steps: int = field(default=0, metadata={"help": "linear LR warmup steps"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
-    max_bad_steps: int = field(default=3, metadata={"help": "stop after this many steps in a row skipped for "
-                                                            "non-finite loss or gradients"})
-    per_device_train_batch_size: int = field(default=32, metadata={"help": "completions per micro-batch"})
-    max_tokens_per_microbatch: int = field(default=0, metadata={"help": "> 0: micro-batches by padded-token "
-                                                                        "budget (length-sorted), not by count"})
+    num_iterations: int = field(default=1, metadata={
+        "help": "optimizer steps per generated batch", "range": ">= 1"})
+    learning_rate: float = field(default=1e-3, metadata={
+        "help": "peak LR (from scratch; ~1e-6 pretrained)", "range": "> 0"})
+    weight_decay: float = field(default=0.0, metadata={
+        "help": "AdamW weight decay", "range": ">= 0"})
+    warmup_steps: int = field(default=0, metadata={
+        "help": "linear LR warmup steps", "range": ">= 0"})
+    max_grad_norm: float = field(default=1.0, metadata={
+        "help": "gradient clipping", "range": ">= 0"})
+    max_bad_steps: int = field(default=3, metadata={
+        "help": "stop after this many steps in a row skipped for non-finite loss or gradients",
+        "range": ">= 1"})
+    per_device_train_batch_size: int = field(default=32, metadata={
+        "help": "completions per micro-batch", "range": ">= 1"})
+    max_tokens_per_microbatch: int = field(default=0, metadata={
+        "help": "> 0: micro-batches by padded-token budget (length-sorted), not by count",
+        "range": ">= 0"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
-    logprob_chunk_size: int = field(default=0, metadata={"help": "tokens per fused log-prob tile (x 4096 vocab "
-                                                                 "columns, fp32); 0: logprobs.py's 2048"})
+    logprob_chunk_size: int = field(default=0, metadata={
+        "help": "tokens per fused log-prob tile (x 4096 vocab columns, fp32); "
+                "0: logprobs.py's 2048", "range": ">= 0"})
     ref_offload: bool = field(default=False, metadata={"help": "keep the reference model's shards in CPU memory"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"})
     pad_token: str = field(default="", metadata={"help": "the pad token for a tokenizer that has none (its eos "
                                                          "token is fine); empty: the tokenizer must have one"})
-    max_steps: int = field(default=100, metadata={"help": "training steps (one generated batch each)"})
+    max_steps: int = field(default=100, metadata={
+        "help": "training steps (one generated batch each)", "range": ">= 1"})
     # evaluation, logging, saving
-    eval_steps: int = field(default=25, metadata={"help": "held-out reward every this many steps (and at start/end)"})
-    num_eval_prompts: int = field(default=200, metadata={"help": "held-out prompts, one sample each; 0: no eval"})
-    save_steps: int = field(default=0, metadata={"help": "DeepSpeed checkpoint every this many steps; 0: none"})
-    save_total_limit: int = field(default=0, metadata={"help": "keep only this many newest checkpoints; 0: all"})
+    eval_steps: int = field(default=25, metadata={
+        "help": "held-out reward every this many steps (and at start/end)", "range": ">= 0"})
+    num_eval_prompts: int = field(default=200, metadata={
+        "help": "held-out prompts, one sample each; 0: no eval", "range": ">= 0"})
+    save_steps: int = field(default=0, metadata={
+        "help": "DeepSpeed checkpoint every this many steps; 0: none", "range": ">= 0"})
+    save_total_limit: int = field(default=0, metadata={
+        "help": "keep only this many newest checkpoints; 0: all", "range": ">= 0"})
     resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir (same "
                                                           "config and world size; see checkpoint.py)"})
     overwrite: bool = field(default=False, metadata={"help": "a new run in a run_dir that holds an earlier "
@@ -221,14 +252,9 @@ class Args:
 
 def parse_args(argv=None):
     """Args, checked on their own (no file read yet); derived: funcs, weights, batch_size, micro."""
-    args = parse_args_quietly(Args, argv)  # argparse's own errors: printed by rank 0, exit 2
+    args = parse_args_quietly(Args, argv)  # argparse's errors: exit 2; then each field's "range"
     if args.loss_type not in LOSS_TYPES:
         raise RunError(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
-    if args.num_generations < 2:
-        raise RunError("--num_generations must be >= 2: advantages compare completions within a group")
-    if min(args.prompts_per_rank, args.per_device_train_batch_size, args.num_iterations, args.max_bad_steps) < 1:
-        raise RunError("--prompts_per_rank, --per_device_train_batch_size, --num_iterations and --max_bad_steps "
-                       "must be >= 1")
     if args.use_vllm and args.gather_for_generation is False:
         raise RunError("--gather_for_generation False applies to HF generation; drop it with --use_vllm")
     if args.vllm_importance_cap and not args.use_vllm:
@@ -376,18 +402,25 @@ def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
 # ---- The loop --------------------------------------------------------------------------------
 def estimate_run_memory(args):
     """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args, no weights loaded."""
-    from memory import PRESETS, print_estimate
+    from memory import PRESETS, model_shape, print_estimate
     from tasks import TASK_CHARS
     from tiny_models import llama_config
     if not args.model:  # the built-in task's tiny model (tasks.task_model)
         config = llama_config(len(TASK_CHARS) + 4, hidden_size=128, num_layers=2).to_dict()
-    elif args.model.lower() in PRESETS or os.path.exists(args.model):
+    elif args.model.lower() in PRESETS or os.path.isfile(os.path.join(args.model, "config.json")) \
+            or os.path.isfile(args.model):  # a preset, a model directory or a config.json
         config = args.model
-    else:
-        from transformers import AutoConfig
-        config = AutoConfig.from_pretrained(args.model)
-    with open(args.ds_config) as f:
-        ds = json.load(f)
+    else:  # a cached hub id (its config, no weights needed), or a path that is not there
+        try:
+            config = check_model_path(args.model, need_weights=False)
+        except RunError as e:
+            raise RunError(f"{e}; --estimate_memory also takes a config.json or a preset: "
+                           f"{', '.join(PRESETS)}") from None
+    try:
+        model_shape(config)  # a config.json that is not JSON, or lacks the sizes the estimate needs
+    except (ValueError, OSError) as e:
+        raise RunError(f"--estimate_memory --model {args.model}: {e}") from None
+    ds = read_ds_json(args.ds_config)  # readable, an object, a supported ZeRO set-up
     zero, cuda = ds.get("zero_optimization", {}), torch.cuda.is_available()
     S = args.max_prompt_length + args.max_completion_length
     micro = min(args.per_device_train_batch_size, args.batch_size)
@@ -424,6 +457,7 @@ def main(argv=None):
     rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
     say = print if rank == 0 else (lambda *a, **k: None)
     model_path, tokenizer, train_rows, eval_rows, dtype, ds_config = preflight(args, rank, world)
+    os.makedirs(args.run_dir, exist_ok=True)  # the pre-flight wrote nothing (but a built-in model)
     if args.overwrite and rank == 0:
         clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
     dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it

@@ -53,8 +53,9 @@ import torch
 
 from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distributed, make_batch, micro_slice, pack,
                       plan_micro_batches, unpack)
-from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs, check_model_path,
-                    entry_code, exit_process, load_tokenizer, parse_args_quietly)
+from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs,
+                    check_model_path, check_sequence_classifier, entry_code, exit_process,
+                    load_tokenizer, parse_args_quietly)
 from checkpoint import (Stopped, StopOnSignal, check_new_run, check_resume, clear_run, latest_checkpoint,
                         load_checkpoint, run_config, save_checkpoint)
 from logprobs import model_logps, positions_from_mask
@@ -172,53 +173,78 @@ class Args:
     reward_weights: str = field(default="", metadata={"help": "one weight per reward; empty: 0.25,0.75 (task) or 1s"})
     run_dir: str = field(default="runs/ppo", metadata={"help": "metrics.jsonl, args, checkpoints, final model"})
     ds_config: str = field(default="configs/zero3.json", metadata={"help": "DeepSpeed JSON for actor and critic"})
-    seed: int = field(default=0, metadata={"help": "data order, sampling and (default task) model init"})
+    seed: int = field(default=0, metadata={
+        "help": "data order, sampling and (default task) model init", "range": ">= 0"})
     # rollout
-    prompts_per_rank: int = field(default=32, metadata={"help": "prompts per rank per step"})
-    num_generations: int = field(default=4, metadata={"help": "completions per prompt"})
-    max_prompt_length: int = field(default=512, metadata={"help": "prompt tokens kept (from the left end)"})
-    max_completion_length: int = field(default=2, metadata={"help": "C: new tokens per completion"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (log-probs use it too)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
+    prompts_per_rank: int = field(default=32, metadata={
+        "help": "prompts per rank per step", "range": ">= 1"})
+    num_generations: int = field(default=4, metadata={
+        "help": "completions per prompt", "range": ">= 1"})
+    max_prompt_length: int = field(default=512, metadata={
+        "help": "prompt tokens kept (from the left end)", "range": ">= 1"})
+    max_completion_length: int = field(default=2, metadata={
+        "help": "C: new tokens per completion", "range": ">= 1"})
+    temperature: float = field(default=1.0, metadata={
+        "help": "sampling temperature (log-probs use it too)", "range": "> 0"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling", "range": "(0, 1]"})
     gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3: gather to generate (fast); "
                                                                         "False: sharded, layer by layer (fits)"})
-    generation_batch_size: int = field(default=256, metadata={"help": "HF generate: sequences per call"})
+    generation_batch_size: int = field(default=256, metadata={
+        "help": "HF generate: sequences per call", "range": ">= 1"})
     # rewards, advantages, losses and the update
-    kl_coef: float = field(default=0.01, metadata={"help": "per-token KL penalty in the reward; 0 builds no "
-                                                           "reference model"})
-    gamma: float = field(default=1.0, metadata={"help": "discount"})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda"})
-    cliprange: float = field(default=0.2, metadata={"help": "policy ratio clipped to [1 - c, 1 + c]"})
-    cliprange_value: float = field(default=0.2, metadata={"help": "value clipped to old value +- this"})
-    ppo_epochs: int = field(default=2, metadata={"help": "passes over each rollout batch"})
-    num_mini_batches: int = field(default=1, metadata={"help": "optimizer steps per pass (per model)"})
-    learning_rate: float = field(default=2e-3, metadata={"help": "actor LR (from scratch; ~1e-6 pretrained)"})
-    critic_learning_rate: float = field(default=2e-3, metadata={"help": "critic LR (~9e-6 pretrained)"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
-    max_bad_steps: int = field(default=3, metadata={"help": "stop after this many steps in a row skipped for "
-                                                            "non-finite loss or gradients"})
-    micro_train_batch_size: int = field(default=64, metadata={"help": "sequences per micro-batch (forward/backward)"})
+    kl_coef: float = field(default=0.01, metadata={
+        "help": "per-token KL penalty in the reward; 0 builds no reference model", "range": ">= 0"})
+    gamma: float = field(default=1.0, metadata={"help": "discount", "range": "[0, 1]"})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda", "range": "[0, 1]"})
+    cliprange: float = field(default=0.2, metadata={
+        "help": "policy ratio clipped to [1 - c, 1 + c]", "range": "(0, 1)"})
+    cliprange_value: float = field(default=0.2, metadata={
+        "help": "value clipped to old value +- this", "range": "> 0"})
+    ppo_epochs: int = field(default=2, metadata={
+        "help": "passes over each rollout batch", "range": ">= 1"})
+    num_mini_batches: int = field(default=1, metadata={
+        "help": "optimizer steps per pass (per model)", "range": ">= 1"})
+    learning_rate: float = field(default=2e-3, metadata={
+        "help": "actor LR (from scratch; ~1e-6 pretrained)", "range": "> 0"})
+    critic_learning_rate: float = field(default=2e-3, metadata={
+        "help": "critic LR (~9e-6 pretrained)", "range": "> 0"})
+    weight_decay: float = field(default=0.0, metadata={
+        "help": "AdamW weight decay", "range": ">= 0"})
+    max_grad_norm: float = field(default=1.0, metadata={
+        "help": "gradient clipping", "range": ">= 0"})
+    max_bad_steps: int = field(default=3, metadata={
+        "help": "stop after this many steps in a row skipped for non-finite loss or gradients",
+        "range": ">= 1"})
+    micro_train_batch_size: int = field(default=64, metadata={
+        "help": "sequences per micro-batch (forward/backward)", "range": ">= 1"})
     # memory
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
-    logprob_chunk_size: int = field(default=0, metadata={"help": "tokens per fused log-prob tile (x 4096 vocab "
-                                                                 "columns, fp32); 0: logprobs.py's 2048"})
+    logprob_chunk_size: int = field(default=0, metadata={
+        "help": "tokens per fused log-prob tile (x 4096 vocab columns, fp32); "
+                "0: logprobs.py's 2048", "range": ">= 0"})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
     frozen_offload: bool = field(default=False, metadata={"help": "ZeRO-3: reference and reward model shards "
                                                                   "live in CPU memory"})
     packing: bool = field(default=False, metadata={"help": "micro-batches as one row, no padding"})
-    lora_r: int = field(default=0, metadata={"help": "> 0: LoRA adapters of this rank on actor and critic (peft)"})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA scaling numerator"})
+    lora_r: int = field(default=0, metadata={
+        "help": "> 0: LoRA adapters of this rank on actor and critic (peft)", "range": ">= 0"})
+    lora_alpha: float = field(default=32.0, metadata={
+        "help": "LoRA scaling numerator", "range": "> 0"})
     lora_target_modules: str = field(default="all-linear", metadata={"help": "peft target_modules"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"})
     pad_token: str = field(default="", metadata={"help": "the pad token for a tokenizer that has none (its eos "
                                                          "token is fine); empty: the tokenizer must have one"})
-    max_steps: int = field(default=60, metadata={"help": "training steps (one rollout batch each)"})
+    max_steps: int = field(default=60, metadata={
+        "help": "training steps (one rollout batch each)", "range": ">= 1"})
     # evaluation, logging, saving
-    eval_steps: int = field(default=20, metadata={"help": "held-out reward every this many steps (and at start/end)"})
-    num_eval_prompts: int = field(default=200, metadata={"help": "held-out prompts, one sample each; 0: no eval"})
-    save_steps: int = field(default=0, metadata={"help": "DeepSpeed checkpoints every this many steps; 0: none"})
-    save_total_limit: int = field(default=0, metadata={"help": "keep only this many newest checkpoints; 0: all"})
+    eval_steps: int = field(default=20, metadata={
+        "help": "held-out reward every this many steps (and at start/end)", "range": ">= 0"})
+    num_eval_prompts: int = field(default=200, metadata={
+        "help": "held-out prompts, one sample each; 0: no eval", "range": ">= 0"})
+    save_steps: int = field(default=0, metadata={
+        "help": "DeepSpeed checkpoints every this many steps; 0: none", "range": ">= 0"})
+    save_total_limit: int = field(default=0, metadata={
+        "help": "keep only this many newest checkpoints; 0: all", "range": ">= 0"})
     resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir (same "
                                                           "config and world size; see checkpoint.py)"})
     overwrite: bool = field(default=False, metadata={"help": "a new run in a run_dir that holds an earlier "
@@ -232,17 +258,13 @@ class Args:
 
 def parse_args(argv=None):
     """Args, checked on their own (no file read yet); derived: funcs, weights, batch_size, micro."""
-    args = parse_args_quietly(Args, argv)  # argparse's own errors: printed by rank 0, exit 2
+    args = parse_args_quietly(Args, argv)  # argparse's errors: exit 2; then each field's "range"
     if args.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
         raise RunError("--attn_implementation: sdpa, eager or flash_attention_2")
     if args.report_to not in ("none", "wandb"):
         raise RunError("--report_to: none or wandb")
     if args.dtype not in ("auto", "bf16", "fp32"):
         raise RunError("--dtype: auto, bf16 or fp32")
-    if min(args.prompts_per_rank, args.num_generations, args.ppo_epochs, args.num_mini_batches,
-           args.micro_train_batch_size, args.max_bad_steps) < 1:
-        raise RunError("--prompts_per_rank, --num_generations, --ppo_epochs, --num_mini_batches, "
-                       "--micro_train_batch_size and --max_bad_steps must be >= 1")
     if args.reward_model and args.reward_funcs:
         raise RunError("give --reward_model or --reward_funcs, not both")
     if args.lora_r:
@@ -289,8 +311,10 @@ def preflight(args, rank, world):
     check_new_run(args.run_dir, args.resume, args.overwrite)  # before anything is written to run_dir
     train_rows, eval_rows, model_path, config, tokenizer = check_inputs(args, rank)  # data, model, rewards
     if args.reward_model:
-        check_model_path(args.reward_model, "--reward_model")
-        if load_tokenizer(args.reward_model, args.pad_token).get_vocab() != tokenizer.get_vocab():
+        rm_config = check_model_path(args.reward_model, "--reward_model")
+        check_sequence_classifier(rm_config, args.reward_model)
+        rm_tokenizer = load_tokenizer(args.reward_model, args.pad_token, need_eos=False)
+        if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise RunError(f"--reward_model {args.reward_model} has another tokenizer than the actor; this loop "
                            "passes token ids as they are: use a reward model trained on the actor's tokenizer")
     cuda = torch.cuda.is_available()
@@ -491,6 +515,7 @@ def main(argv=None):
     rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
     say = print if rank == 0 else (lambda *a, **k: None)
     model_path, tokenizer, train_rows, eval_rows, dtype, stage = preflight(args, rank, world)
+    os.makedirs(args.run_dir, exist_ok=True)  # the pre-flight wrote nothing (but a built-in model)
     if args.overwrite and rank == 0:
         clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
     dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it

@@ -8,9 +8,10 @@
 
 A row is a dict {"prompt": str, "answer": str}. A reward function is a plain callable
 (prompts, completions, answers) -> list[float], one value per completion; give your own as
-`module:function` (the module on PYTHONPATH). Imports no sibling file except `tiny_models`
-(only in `task_model`, for the from-scratch model of the built-in task). Rewards for real
-recipes (math answers, a <think> format, a length penalty) are in rewards.py.
+`module:function` (the module on PYTHONPATH); `f.needs_answer = True` makes the pre-flight refuse
+data with rows that carry no answer (such a row's answer is None). Imports no sibling file except
+`tiny_models` (only in `task_model`, for the from-scratch model of the built-in task). Rewards for
+real recipes (math answers, a <think> format, a length penalty) are in rewards.py.
 """
 
 import importlib
@@ -63,22 +64,63 @@ def correct_reward(prompts, completions, answers):
     return [1.0 if c.strip().startswith(a) and a else 0.0 for c, a in zip(completions, answers)]
 
 
+correct_reward.needs_answer = True  # checks.check_answers: rows with no answer could never score
+
+
 def exact_match_reward(prompts, completions, answers):
     """For JSONL data: 1 when the completion's last non-empty line equals the answer."""
     lines = [[ln.strip() for ln in c.strip().splitlines() if ln.strip()] for c in completions]
     return [1.0 if ln and ln[-1] == str(a).strip() else 0.0 for ln, a in zip(lines, answers)]
 
 
+exact_match_reward.needs_answer = True
+BUILT_IN = ("format_reward", "correct_reward", "exact_match_reward")
+
+
+def _where(e):
+    """'file.py:line' where exception e was raised (a SyntaxError: where the bad line is)."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{os.path.basename(e.filename)}:{e.lineno}"
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
+
+
 def load_reward_funcs(spec):
-    """'module:function,module:function' (or a bare name defined in this file) -> callables."""
+    """'module:function,module:function' (or a bare name of BUILT_IN) -> callables. A module that is
+    not there or fails to import (any exception), a missing name, or one that is not callable is a
+    ValueError naming module:function and the cause."""
     funcs = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         module, _, name = item.rpartition(":")
+        flag = f"--reward_funcs {item!r}"
+        if not module:
+            if name not in BUILT_IN:
+                raise ValueError(f"{flag}: not a built-in reward ({', '.join(BUILT_IN)}); write "
+                                 f"module:function, with the module on PYTHONPATH")
+            funcs.append(getattr(sys.modules[__name__], name))
+            continue
         try:
-            funcs.append(getattr(importlib.import_module(module) if module else sys.modules[__name__], name))
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"--reward_funcs {item!r}: cannot import ({e}); write module:function, "
-                             f"with the module on PYTHONPATH") from e
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and (module == e.name or module.startswith(e.name + ".")):  # not its import
+                raise ValueError(f"{flag}: no module {module!r} on PYTHONPATH; write "
+                                 f"module:function") from None
+            raise ValueError(f"{flag}: importing {module} failed: ModuleNotFoundError: {e} "
+                             f"(at {_where(e)})") from e
+        except Exception as e:  # the user's module: a syntax error, or what its top level raises
+            msg = e.msg if isinstance(e, SyntaxError) else str(e)
+            raise ValueError(f"{flag}: importing {module} failed: {type(e).__name__}: {msg} "
+                             f"(at {_where(e)})") from e
+        if not hasattr(mod, name):
+            defined = [k for k, v in vars(mod).items() if callable(v) and not k.startswith("_")
+                       and getattr(v, "__module__", None) == mod.__name__]
+            raise ValueError(f"{flag}: module {module} has no name {name!r} (its functions: "
+                             f"{', '.join(defined[:10]) or 'none'}); write module:function")
+        f = getattr(mod, name)
+        if not callable(f):
+            raise ValueError(f"{flag}: {module}.{name} is a {type(f).__name__}, not a function "
+                             f"(prompts, completions, answers) -> list[float]")
+        funcs.append(f)
     return funcs
 
 
@@ -88,7 +130,13 @@ def reward_functions(reward_funcs, reward_weights, data):
     JSONL data); empty weights: 1 each."""
     funcs = load_reward_funcs(reward_funcs or ("format_reward,correct_reward" if not data else "exact_match_reward"))
     weights = reward_weights or ("0.25,0.75" if not (data or reward_funcs) else "")
-    weights = [float(w) for w in weights.split(",")] if weights else [1.0] * len(funcs)
+    try:
+        weights = [float(w) for w in weights.split(",")] if weights else [1.0] * len(funcs)
+    except ValueError:
+        raise ValueError(f"--reward_weights {reward_weights!r}: comma-separated numbers, one per "
+                         f"function") from None
+    if not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"--reward_weights {reward_weights!r}: the weights must be finite numbers")
     if len(weights) != len(funcs):
         raise ValueError(f"--reward_weights has {len(weights)} values for {len(funcs)} reward functions")
     return funcs, weights
@@ -109,9 +157,8 @@ def call_reward(f, prompts, completions, answers):
     try:
         values = f(prompts, completions, answers)
     except Exception as e:  # the user's code: whatever it raises, say whose it is and where
-        frames = traceback.extract_tb(e.__traceback__)
-        where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
-        raise RewardError(f"reward function {_name(f)} raised {type(e).__name__}: {e} (at {where})") from e
+        raise RewardError(f"reward function {_name(f)} raised {type(e).__name__}: {e} "
+                          f"(at {_where(e)})") from e
     try:
         values = [float(v) for v in values]
     except (TypeError, ValueError):
@@ -130,9 +177,10 @@ def call_reward(f, prompts, completions, answers):
 
 def score_completions(funcs, weights, rows, completions, num_generations):
     """Weighted sum of the reward functions, (B,), and each function's raw rewards, {name: (B,)}.
-    completions are prompt-major: row i's num_generations completions are adjacent."""
+    completions are prompt-major: row i's num_generations completions are adjacent. A row with no
+    "answer" passes None (checks.check_answers refuses such data if a function needs_answer)."""
     prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
-    answers = [r.get("answer", "") for r in rows for _ in range(num_generations)]
+    answers = [r.get("answer") for r in rows for _ in range(num_generations)]
     per_func = {f.__name__: call_reward(f, prompts, completions, answers) for f in funcs}  # {name: (B,)}
     total = sum(w * r for w, r in zip(weights, per_func.values()))  # (B,)
     return total, per_func

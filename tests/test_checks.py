@@ -6,6 +6,7 @@ launch real runs: run.sh (exit 2, torchrun never starts), torchrun directly (eve
 message), a reward function failing on one rank mid-run, and out of memory naming the phase.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -33,6 +34,11 @@ def later_on_rank1(prompts, completions, answers):  # fine in the pre-flight pro
     if os.environ.get("RANK") == "1" and len(completions) > 4:
         raise KeyError("answer")
     return [0.0] * len(completions)
+def reads_answers(prompts, completions, answers):  # fails on a row with no answer (None)
+    return [float(c.strip() == a.strip()) for c, a in zip(completions, answers)]
+def length(prompts, completions, answers):  # reads no answer: rows without one are fine
+    return [float(len(c)) for c in completions]
+CONSTANT = 1.0
 '''
 
 
@@ -200,7 +206,226 @@ def test_step_guard_counts_skips_and_stops_after_a_few_in_a_row():
         StepGuard().update(1, float("nan"), 1.0, skipped=False)
 
 
+# ---- Refused before step 1 (issue #11, section 3) ------------------------------------------------
+LOOPS = pytest.mark.parametrize("loop", [grpo, ppo], ids=["grpo", "ppo"])
+
+
+@pytest.mark.parametrize("loop,flag,value,message", [
+    (grpo, "--temperature", 0, "--temperature 0.0: must be > 0"),
+    (grpo, "--top_p", 1.5, "--top_p 1.5: must be in (0, 1]"),
+    (grpo, "--learning_rate", -0.001, "--learning_rate -0.001: must be > 0"),
+    (grpo, "--epsilon_low", 1, "--epsilon_low 1.0: must be in [0, 1)"),
+    (grpo, "--beta", -0.1, "--beta -0.1: must be >= 0"),
+    (grpo, "--vllm_gpu_memory_utilization", 0, "must be in (0, 1]"),
+    (grpo, "--generation_resident_gb", "nan", "--generation_resident_gb nan: must be >= 0"),
+    (grpo, "--max_completion_length", 0, "--max_completion_length 0: must be >= 1"),
+    (grpo, "--num_generations", 1, "must be >= 2 (advantages compare completions within a group)"),
+    (grpo, "--save_total_limit", -1, "--save_total_limit -1: must be >= 0"),
+    (ppo, "--cliprange", 0, "--cliprange 0.0: must be in (0, 1)"),
+    (ppo, "--gamma", 1.5, "--gamma 1.5: must be in [0, 1]"),
+    (ppo, "--kl_coef", -0.01, "--kl_coef -0.01: must be >= 0"),
+    (ppo, "--critic_learning_rate", "inf", "--critic_learning_rate inf: must be > 0"),
+    (ppo, "--num_mini_batches", 0, "--num_mini_batches 0: must be >= 1"),
+    (ppo, "--temperature", -1, "--temperature -1.0: must be > 0"),
+])
+def test_numeric_argument_out_of_range(env, capsys, loop, flag, value, message):
+    assert fails(capsys, preflight(loop.main, env, flag, value), message)
+    assert not os.path.exists(env / "run")  # refused before anything is written
+
+
+@LOOPS
+def test_every_numeric_argument_has_a_range_its_default_meets(loop, capsys):
+    from checks import in_range
+    for f in dataclasses.fields(loop.Args):
+        if f.type in (int, float, "int", "float"):
+            assert "range" in f.metadata, f"{loop.__name__}.Args.{f.name} has no range"
+            assert in_range(f.default, f.metadata["range"]), (f.name, f.default)
+    with pytest.raises(SystemExit):
+        loop.parse_args(["--help"])
+    assert "nucleus sampling; must be in (0, 1]" in capsys.readouterr().out  # --help shows it
+
+
+@LOOPS
+def test_model_directory_without_weights(env, capsys, tiny_model, loop):
+    bare = env / "bare"
+    shutil.copytree(tiny_model, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert fails(capsys, preflight(loop.main, env, model=str(bare)),
+                 f"--model {bare}: the directory has a config.json but no weights")
+    shards = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    index = {"weight_map": {"a": shards[0], "b": shards[1]}}
+    (bare / "model.safetensors.index.json").write_text(json.dumps(index))
+    shutil.copy(os.path.join(tiny_model, "model.safetensors"), bare / shards[0])
+    assert fails(capsys, preflight(loop.main, env, model=str(bare)),
+                 f"names 2 weight files and 1 are not there (first: {shards[1]})")
+    assert not os.path.exists(env / "run")  # with --model given, the pre-flight writes nothing
+
+
+def test_tokenizer_without_eos_token(env, capsys, tiny_model):
+    from transformers import AutoTokenizer
+    noeos = env / "noeos"
+    shutil.copytree(tiny_model, noeos)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.eos_token = None
+    tok.save_pretrained(noeos)
+    assert fails(capsys, preflight(grpo.main, env, model=str(noeos)),
+                 "has no eos token, so a completion could never end")
+
+
+def test_ppo_reward_model_that_is_not_a_sequence_classifier(env, capsys, tiny_model,
+                                                            tiny_reward_model):
+    assert fails(capsys, preflight(ppo.main, env, "--reward_model", tiny_model),
+                 f"--reward_model {tiny_model} is a LlamaForCausalLM, not a sequence classifier",
+                 "AutoModelForSequenceClassification with num_labels=1")
+    two = env / "two_labels"
+    shutil.copytree(tiny_reward_model, two)
+    cfg = json.loads((two / "config.json").read_text())
+    labels = {"id2label": {"0": "bad", "1": "good"}, "label2id": {"bad": 0, "good": 1}}
+    (two / "config.json").write_text(json.dumps({**cfg, **labels}))
+    assert fails(capsys, preflight(ppo.main, env, "--reward_model", two), "has 2 labels")
+
+
+@LOOPS
+def test_rows_without_an_answer_for_a_reward_that_reads_it(env, capsys, loop):
+    rows = ['{"prompt": "1=", "answer": "1"}', '{"prompt": "22="}',
+            '{"prompt": "3=", "answer": null}']
+    data = jsonl(env / "noanswer.jsonl", rows * 4)
+    args = ("--data", data, "--num_eval_prompts", "0")
+    # the JSONL default reward, exact_match_reward, compares with the answer
+    assert fails(capsys, preflight(loop.main, env, *args),
+                 f"--data {data} line 2 (prompt '22=') has no \"answer\" (8 of 12 rows lack one)",
+                 "tasks.exact_match_reward compares completions with it")
+    # a function of the user's that fails on answer None: the probe includes such a row, says so
+    reads = ("--reward_funcs", "myrewards:reads_answers")
+    assert fails(capsys, preflight(loop.main, env, *args, *reads),
+                 "myrewards.reads_answers raised AttributeError",
+                 "line 2 (prompt '22=') has no \"answer\" field")
+    # one that reads no answers is fine with such rows
+    assert preflight(loop.main, env, *args, "--reward_funcs", "myrewards:length") == 0
+
+
+def zero(cfg, **change):
+    return {**cfg, "zero_optimization": {**cfg["zero_optimization"], **change}}
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda cfg: [cfg], "the JSON is a list, not an object {...}"),
+    (lambda cfg: zero(cfg, stage=4),
+     "zero_optimization.stage 4 is not supported; this project runs ZeRO stage 0, 1, 2 or 3"),
+    (lambda cfg: {**cfg, "fp16": {"enabled": True}}, "\"fp16\" enabled (True) is not supported"),
+    (lambda cfg: zero(cfg, offload_optimizer={"device": "nvme"}),
+     "zero_optimization.offload_optimizer device 'nvme' is not supported"),
+    (lambda cfg: {**cfg, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     "zero_optimization.offload_param under stage 2 is not supported"),
+    (lambda cfg: zero(cfg, zero_quantized_weights=True),
+     "zero_optimization.zero_quantized_weights True is not supported"),
+    (lambda cfg: zero(cfg, overlap_com=False),
+     "zero_optimization.overlap_com: Extra inputs are not permitted (DeepSpeed's own check)"),
+])
+@LOOPS
+def test_deepspeed_json_that_is_not_an_object_or_not_supported(env, capsys, loop, change, message):
+    cfg = json.load(open(os.path.join(ROOT, "configs", "zero3.json")))
+    path = env / "ds.json"
+    path.write_text(json.dumps(change(cfg)))
+    assert fails(capsys, preflight(loop.main, env, "--ds_config", path), f"--ds_config {path}",
+                 message)
+
+
+@pytest.mark.parametrize("module,spec,message", [
+    ("badsyntax", "badsyntax:f",
+     "importing badsyntax failed: SyntaxError: expected ':' (at badsyntax.py:2)"),
+    ("boom", "boom:f", "importing boom failed: RuntimeError: no GPU here (at boom.py:2)"),
+    ("needsdep", "needsdep:f", "importing needsdep failed: ModuleNotFoundError: No module named "
+                               "'not_installed_anywhere' (at needsdep.py:1)"),
+    (None, "myrewards:nope", "module myrewards has no name 'nope' (its functions: raises, short"),
+    (None, "myrewards:CONSTANT", "myrewards.CONSTANT is a float, not a function"),
+    (None, "nosuchmodule:f", "no module 'nosuchmodule' on PYTHONPATH"),
+    (None, "nosuchbuiltin",
+     "not a built-in reward (format_reward, correct_reward, exact_match_reward)"),
+])
+@LOOPS
+def test_reward_module_that_does_not_import(env, capsys, loop, module, spec, message):
+    sources = {"badsyntax": "import os\ndef f(prompts, completions, answers)\n    return []\n",
+               "boom": "import os\nraise RuntimeError('no GPU here')\n",
+               "needsdep": "import not_installed_anywhere\n"}
+    if module:
+        (env / f"{module}.py").write_text(sources[module])
+    assert fails(capsys, preflight(loop.main, env, "--reward_funcs", spec),
+                 f"--reward_funcs '{spec}'", message)
+    assert not os.path.exists(env / "run")
+
+
+def test_reward_weights_that_are_not_finite_numbers(env, capsys):
+    assert fails(capsys, preflight(grpo.main, env, "--reward_weights", "1,x"),
+                 "comma-separated numbers")
+    assert fails(capsys, preflight(grpo.main, env, "--reward_weights", "nan,1"),
+                 "must be finite numbers")
+
+
+class FakeEngine:
+    """What save_checkpoint needs of a DeepSpeed engine: one shard per rank (both ranks' here)."""
+
+    def save_checkpoint(self, path, tag, client_state, save_latest):
+        os.makedirs(os.path.join(path, tag))
+        for rank in range(2):
+            name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+            with open(os.path.join(path, tag, name), "wb") as f:
+                f.write(b"0123456789")
+
+
+@LOOPS
+def test_resume_with_corrupt_metadata_or_missing_shards(env, capsys, loop):
+    from checkpoint import run_config, save_checkpoint
+    ckpt = env / "run" / "checkpoints"
+    base = ["--run_dir", str(env / "run"), "--num_eval_prompts", "10", "--ds_config",
+            os.path.join(ROOT, "configs", "zero3.json")]
+    names = ("policy",) if loop is grpo else ("actor", "critic")
+    config = run_config(loop.parse_args(base), 2)
+    save_checkpoint({n: FakeEngine() for n in names}, str(ckpt), 2, config)
+    assert preflight(loop.main, env, "--resume", "True") == 0
+    shard = f"{names[-1]}/zero_pp_rank_1_mp_rank_00_model_states.pt"
+    (ckpt / "step2" / shard).write_bytes(b"012")  # cut short
+    assert fails(capsys, preflight(loop.main, env, "--resume", "True"),
+                 f"--resume: {ckpt / 'step2'} is incomplete: {shard} (3 bytes, saved 10)")
+    (ckpt / "step2" / shard).unlink()
+    assert fails(capsys, preflight(loop.main, env, "--resume", "True"), f"{shard} (missing)",
+                 "resume from an earlier step dir")
+    (ckpt / "step2" / "config.json").write_text('{"seed": 0, "learning_')  # torn metadata
+    assert fails(capsys, preflight(loop.main, env, "--resume", "True"),
+                 f"--resume: {ckpt / 'step2' / 'config.json'} is corrupt (Unterminated string")
+    (ckpt / "latest").write_text("step7")
+    assert fails(capsys, preflight(loop.main, env, "--resume", "True"),
+                 f"{ckpt}/latest names 'step7', which is not a step dir there (found: step2)")
+
+
+def test_estimate_memory_with_a_model_it_cannot_size(env, capsys):
+    def estimate(*argv):
+        return entry(grpo.main, ["--estimate_memory", "True", *map(str, argv)])
+    assert fails(capsys, estimate("--model", "qwen-7b"), "--model qwen-7b: cannot read its config",
+                 "--estimate_memory also takes a config.json or a preset: qwen2.5-0.5b")
+    os.makedirs(env / "empty")
+    assert fails(capsys, estimate("--model", env / "empty"), "has no config.json")
+    (env / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    assert fails(capsys, estimate("--model", env / "config.json"),
+                 "model config lacks ['vocab_size'")
+    (env / "ds.json").write_text("[]")
+    assert fails(capsys, estimate("--model", "qwen2.5-0.5b", "--ds_config", env / "ds.json"),
+                 "the JSON is a list, not an object")
+    assert fails(capsys, estimate("--model", "qwen2.5-0.5b", "--top_p", 0),
+                 "--top_p 0.0: must be in (0, 1]")
+
 # ---- Real launches ------------------------------------------------------------------------------
+def test_run_sh_refuses_an_out_of_range_value(tmp_path):
+    """A range error through run.sh's one-process pre-flight: exit 2, one line, no traceback,
+    nothing written."""
+    proc = run_sh("ppo", "--temperature", "0", env={"RUN_DIR": str(tmp_path / "run")}, wait=False)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_CONFIG, out
+    lines = [ln for ln in out.splitlines()
+             if "WARNING" not in ln and not ln.startswith("install.sh:")]
+    assert lines == ["error: --temperature 0.0: must be > 0"] and "Traceback" not in out, out
+    assert not os.path.exists(tmp_path / "run")
+
+
 def test_run_sh_stops_bad_input_before_torchrun(tmp_path):
     bad = jsonl(tmp_path / "bad.jsonl", ['{"question": "1="}'])
     proc = run_sh("grpo", "--data", bad, env={"RUN_DIR": str(tmp_path / "run")}, wait=False)
