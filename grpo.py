@@ -26,6 +26,12 @@ Departures from the paper (DeepSeekMath, Shao et al. 2024) and why:
   generates (vLLM's and the trainer's numerics differ), capped at vllm_importance_cap.
 - Every micro-batch loss is divided by the WHOLE batch's normaliser (all micro-batches,
   all ranks) and DeepSpeed's own averaging is undone, so accumulation never changes the update.
+LoRA (--lora_r, peft): only the adapters train; with beta > 0 the reference is the policy with its
+adapters switched off (no second model). vLLM gets merged weights: each sync streams the base model
+with W + scaling * B @ A computed per layer, one group at a time (zero3_utils.iter_full_params),
+rather than LoRA requests, because merged weights keep vLLM's plain kernels, load on every vLLM
+backend (the CPU one too) and need no enable_lora / max_lora_rank sizing; the price is a full-weight
+stream per step, as in full fine-tuning. The final model is saved merged, as a plain model.
 Shared with ppo.py, one file each: tasks.py (the built-in task, reward functions, data and its
 order), batching.py (prompt ids, padded batches, micro-batch plans, collectives), runlog.py
 (metrics.jsonl, wandb, curves.png), memory.py (peak memory per phase; out of memory names the phase
@@ -223,6 +229,11 @@ class Args:
         "help": "tokens per fused log-prob tile (x 4096 vocab columns, fp32); "
                 "0: logprobs.py's 2048", "range": ">= 0"})
     ref_offload: bool = field(default=False, metadata={"help": "keep the reference model's shards in CPU memory"})
+    lora_r: int = field(default=0, metadata={
+        "help": "> 0: train LoRA adapters of this rank only (peft); the reference is the policy with "
+                "them off, vLLM and the final model get the merged weights", "range": ">= 0"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA scaling numerator", "range": "> 0"})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "peft target_modules"})
     dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"})
     pad_token: str = field(default="", metadata={"help": "the pad token for a tokenizer that has none (its eos "
                                                          "token is fine); empty: the tokenizer must have one"})
@@ -263,6 +274,11 @@ def parse_args(argv=None):
         raise RunError("--report_to: none or wandb")
     if args.dtype not in ("auto", "bf16", "fp32"):
         raise RunError("--dtype: auto, bf16 or fp32")
+    if args.lora_r:
+        try:
+            import peft  # noqa: F401  (optional: only LoRA runs need it)
+        except ImportError:
+            raise RunError("--lora_r needs peft: pip install peft==0.21.2") from None
     try:
         args.funcs, args.weights = reward_functions(args.reward_funcs, args.reward_weights, args.data)
     except ValueError as e:
@@ -466,12 +482,18 @@ def main(argv=None):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if args.lora_r:  # only the adapters train; the reference needs no copy (adapters off)
+        from peft import LoraConfig, get_peft_model
+        if args.gradient_checkpointing:  # frozen embeddings: checkpointed layers still need a grad input
+            model.enable_input_require_grads()
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM",
+                                                 target_modules=args.lora_target_modules))
     def warmup(optimizer):  # linear warmup; a client scheduler, so the JSON needs no scheduler section
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config, lr_scheduler=warmup)
     ref = None
-    if args.beta > 0:
+    if args.beta > 0 and not args.lora_r:
         ref = frozen_engine(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype), ds_config,
                             offload=args.ref_offload)
     vllm = None
@@ -541,9 +563,11 @@ def main(argv=None):
         if args.num_iterations > 1 or args.vllm_importance_cap > 0:
             with ledger.phase("old_logprobs"):
                 batch["old_logps"] = batch_logps(engine.module, batch, plan, args, device)
-        if ref is not None:
-            with ledger.phase("ref_logprobs"):
-                batch["ref_logps"] = batch_logps(ref.module, batch, plan, args, device)
+        if args.beta > 0:
+            with ledger.phase("ref_logprobs"), \
+                    nullcontext() if ref is not None else engine.module.disable_adapter():  # LoRA: adapters off
+                batch["ref_logps"] = batch_logps(engine.module if ref is None else ref.module, batch, plan, args,
+                                                 device)
         if args.vllm_importance_cap > 0:  # vLLM sampled these tokens; the trainer scores them a bit differently
             gap = (batch["old_logps"] - gens.logprobs) * gens.completion_mask  # (B, C)
             batch["is_weights"] = torch.exp(gap).clamp(max=args.vllm_importance_cap)  # (B, C)

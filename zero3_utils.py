@@ -174,18 +174,40 @@ def partially_gathered(engine, budget_bytes):
 
 
 # ---------------------------------------------------------------- streaming full weights
-def _groups(named, max_numel):
-    """Split [(name, param)] into consecutive groups of <= max_numel elements (a larger param alone)."""
+def _groups(sized, max_numel):
+    """Split [(item, numel)] into consecutive groups of <= max_numel elements (a larger item alone)."""
     group, size = [], 0
-    for name, p in named:
-        n = p.ds_numel if hasattr(p, "ds_id") else p.numel()
+    for item, n in sized:
         if group and size + n > max_numel:
             yield group
             group, size = [], 0
-        group.append((name, p))
+        group.append((item, n))
         size += n
     if group:
         yield group
+
+
+def _lora_units(model):
+    """A peft LoRA model as [(name, [params], merge)] in named_parameters() order: each adapted
+    linear is one unit named as in the base model (`...q_proj.weight`), merged as
+    W + scaling * B @ A; every other parameter is a unit of its own under its base-model name.
+    Returns None for a model without LoRA layers."""
+    prefix = "base_model.model."
+    merged, adapters = {}, set()  # id(base weight) -> unit; ids of lora_A / lora_B params
+    for name, m in model.named_modules():
+        if not (hasattr(m, "base_layer") and hasattr(m, "lora_A") and "default" in m.lora_A):
+            continue
+        A, B, W = m.lora_A["default"].weight, m.lora_B["default"].weight, m.base_layer.weight
+
+        def merge(W, A, B, scale=m.scaling["default"]):  # (out, in) + (out, r) @ (r, in), a new tensor
+            return torch.addmm(W, B.to(W.dtype), A.to(W.dtype), alpha=scale)
+        merged[id(W)] = (f"{name.removeprefix(prefix)}.weight", [W, A, B], merge)
+        adapters.update(id(p) for p in (*m.lora_A.parameters(), *m.lora_B.parameters()))
+    if not merged:
+        return None
+    return [merged[id(p)] if id(p) in merged else
+            (name.removeprefix(prefix).replace(".base_layer.", "."), [p], None)
+            for name, p in model.named_parameters() if id(p) not in adapters]
 
 
 @torch.no_grad()
@@ -197,12 +219,20 @@ def iter_full_params(model_or_engine, max_numel=2**26):
     names (tied weights appear once), which transformers and vLLM loaders accept. A yielded tensor
     is valid until the next item: `.clone()` it to keep it. A collective under ZeRO-3: call on
     every rank. Off ZeRO-3 this just walks named_parameters().
+
+    A peft LoRA model streams as its base model with the adapters merged in (W + scaling * B @ A,
+    computed per layer; the trained weights are not touched), under the base model's names: what
+    vLLM and `from_pretrained` load, so a LoRA run syncs and saves like a full fine-tune.
     """
-    named = list(_module(model_or_engine).named_parameters())
-    for group in _groups(named, max_numel):
-        with gathered([p for _, p in group]):
-            for name, p in group:
-                yield name, p.data
+    model = _module(model_or_engine)
+    units = _lora_units(model)
+    if units is None:
+        units = [(name, [p], None) for name, p in model.named_parameters()]
+    for group in _groups([(u, sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for p in u[1]))
+                          for u in units], max_numel):
+        with gathered([p for (_, params, _), _ in group for p in params]):
+            for (name, params, merge), _ in group:
+                yield name, (params[0].data if merge is None else merge(*(p.data for p in params)))
 
 
 def save_hf(engine_or_model, tokenizer, path, max_shard_bytes=2 * 2**30):

@@ -69,3 +69,27 @@ def test_two_nodes_loopback_sharded_token_budget_jsonl(tmp_path):
     assert json.load(open(tmp_path / "r" / "args.json"))["world_size"] == 2
     assert {"rewards/correct_reward/mean", "rewards/format_reward/mean"} <= set(rows[0])
     assert 0 <= rows[0]["reward"] <= 1.5
+
+
+def test_zero3_lora_vllm_sync_and_merged_final_model(tmp_path):
+    """LoRA: 2 steps on ZeRO-3 with vLLM generating from the merged weights (its log-probs of its own
+    samples match the trainer's at step 2, after the adapters moved), the reference is the policy
+    with adapters off (KL 0 at step 1, > 0 after), and only the adapted linear layers changed."""
+    pytest.importorskip("peft")
+    import torch
+    from safetensors.torch import load_file
+
+    run = tmp_path / "r"
+    run_sh("--max_steps", "2", "--use_vllm", "True", "--lora_r", "8", "--learning_rate", "5e-2",
+           "--beta", "0.04", "--num_iterations", "2", "--vllm_importance_cap", "2.0",
+           env={"RUN_DIR": str(run)})
+    rows = train_rows(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[1]["kl"] > 0  # adapters on vs off
+    for r in rows:
+        assert r["vllm_is_ratio"] == pytest.approx(1.0, abs=1e-3)  # vLLM holds the merged weights
+    before, after = load_file(run / "model" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert set(after) == set(before)  # the final model is a plain model: merged, base-model names
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.endswith(("_proj.weight",)) for k in changed), sorted(changed)
+    assert not any("embed" in k or "norm" in k or "lm_head" in k for k in changed)

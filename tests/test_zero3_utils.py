@@ -50,11 +50,33 @@ def test_load_ds_config_rejects_contradictions(cfg, kwargs, words):
 
 
 def test_groups_are_bounded_and_ordered():
-    params = [(f"p{i}", torch.empty(n)) for i, n in enumerate([5, 5, 3, 20, 1, 1, 9])]
-    groups = list(_groups(params, max_numel=10))
+    sized = [(f"p{i}", n) for i, n in enumerate([5, 5, 3, 20, 1, 1, 9])]
+    groups = list(_groups(sized, max_numel=10))
     assert [[n for n, _ in g] for g in groups] == [["p0", "p1"], ["p2"], ["p3"], ["p4", "p5"], ["p6"]]
-    for g in groups:  # a group exceeds the bound only when it is one parameter larger than it
-        assert sum(p.numel() for _, p in g) <= 10 or len(g) == 1
+    for g in groups:  # a group exceeds the bound only when it is one item larger than it
+        assert sum(n for _, n in g) <= 10 or len(g) == 1
+
+
+def test_a_lora_model_streams_as_its_merged_base_model(tiny_model):
+    """peft LoRA: names of the base model, weights W + scaling * B @ A, and the model untouched."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), cfg)
+    torch.manual_seed(0)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_()  # peft starts B at zero: make the merge visible
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    streamed = {n: t.clone() for n, t in iter_full_params(model, max_numel=5000)}
+    assert list(streamed) == [n for n, _ in base.named_parameters()]
+    merged = model.merge_and_unload()  # peft's own merge, as the reference
+    for n, p in merged.named_parameters():
+        torch.testing.assert_close(streamed[n], p.data, rtol=1e-6, atol=1e-6)
+    assert any(not torch.equal(streamed[n], p) for n, p in base.named_parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
 
 
 def test_off_zero3_helpers_are_no_ops(tiny_model):
