@@ -22,7 +22,9 @@ class RunLog:
     resume_step: a run resumed from the checkpoint of this step; rows with a larger step, written by
     the killed run after that checkpoint, are dropped so metrics.jsonl stays one history."""
 
-    def __init__(self, run_dir, script, config, rank, report_to="none", extra=None, resume_step=None):
+    def __init__(
+        self, run_dir, script, config, rank, report_to="none", extra=None, resume_step=None
+    ):
         self.run_dir, self.file, self.wandb = run_dir, None, None
         if rank != 0:
             return
@@ -31,6 +33,7 @@ class RunLog:
             json.dump({**config, **(extra or {})}, f, indent=1)
         if report_to == "wandb":
             import wandb
+
             os.environ.setdefault("WANDB_MODE", "offline")
             wandb.init(project="lean-rl", dir=run_dir, config=config)
             self.wandb = wandb
@@ -49,7 +52,8 @@ class RunLog:
             self.wandb.log(row, step=row["step"])
 
     def close(self, panels):
-        """Close metrics.jsonl and plot it: one subplot per panel, a panel a list of (key, label, style)."""
+        """Close metrics.jsonl and plot it: one subplot per panel, a panel a list of (key, label,
+        style)."""
         if self.file is None:
             return
         self.file.close()
@@ -59,8 +63,8 @@ class RunLog:
 
 
 def truncate_after(path, step):
-    """Rewrite the JSONL file `path` atomically without the rows whose "step" is > step (and without a
-    last line cut short by a kill)."""
+    """Rewrite the JSONL file `path` atomically without the rows whose "step" is > step (and without
+    a last line cut short by a kill)."""
     keep = []
     with open(path) as f:
         for line in f:
@@ -79,10 +83,13 @@ def truncate_after(path, step):
 
 
 def plot_curves(run_dir, panels):
-    """metrics.jsonl -> curves.png: per panel, each (key, label, style) against step over the rows that have it."""
+    """metrics.jsonl -> curves.png: per panel, each (key, label, style) against step over the rows
+    that have it."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)

@@ -10,13 +10,16 @@ Public API
     is_sharded(model_or_engine) -> bool                ... and some are not gathered right now?
     gathered(params_or_module, enabled=True)           GatheredParameters; no-op off ZeRO-3
     remove_hooks(engine) / restore_hooks(engine)       ZeRO-3 per-module fetch hooks off / on
-    without_hooks(engine)                              context manager: hooks off, restored on any exit
-    partially_gathered(engine, budget_bytes)           context manager: as many modules as fit in the
-                                                       budget gathered and hook-free, the rest sharded
-    iter_full_params(model, max_numel=2**26)           yields (name, full tensor), gathering at most
-                                                       max_numel elements (or one parameter) at a time
+    without_hooks(engine)                              context manager: hooks off, back on any exit
+    partially_gathered(engine, budget_bytes)           context manager: as many modules as fit in
+                                                       the budget gathered and hook-free, the rest
+                                                       sharded
+    iter_full_params(model, max_numel=2**26)           yields (name, full tensor), gathering at
+                                                       most max_numel elements (or one parameter)
+                                                       at a time
     save_hf(engine_or_model, tokenizer, path)          consolidated HF checkpoint, written by rank 0
-    frozen_engine(model, ds_config, offload=False)     reference/reward model as a ZeRO-3 inference engine
+    frozen_engine(model, ds_config, offload=False)     reference/reward model, a ZeRO-3 inference
+                                                       engine
     load_ds_config(path_or_dict, world_size=None, hidden_size=None, **overrides) -> dict
 
 Every call into DeepSpeed internals sits in one function whose name starts with `_ds_` and
@@ -29,16 +32,19 @@ import json
 import os
 from contextlib import contextmanager, nullcontext
 
+import deepspeed
 import torch
 import torch.distributed as dist
-
-import deepspeed
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 
 def _module(model_or_engine):
     """The nn.Module inside a DeepSpeedEngine (or the module itself)."""
-    return model_or_engine.module if isinstance(model_or_engine, deepspeed.DeepSpeedEngine) else model_or_engine
+    return (
+        model_or_engine.module
+        if isinstance(model_or_engine, deepspeed.DeepSpeedEngine)
+        else model_or_engine
+    )
 
 
 def is_zero3(model_or_engine):
@@ -48,8 +54,10 @@ def is_zero3(model_or_engine):
 
 def is_sharded(model_or_engine):
     """True under ZeRO-3 while at least one parameter is not gathered (forward needs all ranks)."""
-    return any(getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
-               for p in _module(model_or_engine).parameters())
+    return any(
+        getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
+        for p in _module(model_or_engine).parameters()
+    )
 
 
 def gathered(params_or_module, enabled=True):
@@ -58,8 +66,11 @@ def gathered(params_or_module, enabled=True):
     A no-op (nullcontext) when disabled or when no parameter is a ZeRO-3 parameter, so the
     same code runs under DDP, ZeRO-2 or on one process. Read-only: changes are not scattered back.
     """
-    params = list(params_or_module.parameters()) if isinstance(params_or_module, torch.nn.Module) \
+    params = (
+        list(params_or_module.parameters())
+        if isinstance(params_or_module, torch.nn.Module)
         else list(params_or_module)
+    )
     if not enabled or not any(hasattr(p, "ds_id") for p in params):
         return nullcontext()
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
@@ -73,8 +84,10 @@ def _ds_parameter_offload(engine):
     opt = getattr(engine, "optimizer", None)
     offload = getattr(opt, "parameter_offload", opt)
     if offload is None or not hasattr(offload, "forward_hooks"):
-        raise TypeError("remove_hooks/restore_hooks need the DeepSpeedEngine returned by deepspeed.initialize "
-                        f"with ZeRO stage 3, got {type(engine).__name__}")
+        raise TypeError(
+            "remove_hooks/restore_hooks need the DeepSpeedEngine returned by deepspeed.initialize "
+            f"with ZeRO stage 3, got {type(engine).__name__}"
+        )
     return offload
 
 
@@ -175,7 +188,8 @@ def partially_gathered(engine, budget_bytes):
 
 # ---------------------------------------------------------------- streaming full weights
 def _groups(named, max_numel):
-    """Split [(name, param)] into consecutive groups of <= max_numel elements (a larger param alone)."""
+    """Split [(name, param)] into consecutive groups of <= max_numel elements (a larger param
+    alone)."""
     group, size = [], 0
     for name, p in named:
         n = p.ds_numel if hasattr(p, "ds_id") else p.numel()
@@ -258,7 +272,9 @@ def frozen_engine(model, ds_config, offload=False):
     stage 3 is forced. offload=True keeps the parameter partitions in CPU memory (fetched to the
     device layer by layer). Returns the engine in eval mode with requires_grad off.
     """
-    cfg = copy.deepcopy(load_ds_config(ds_config) if isinstance(ds_config, (str, os.PathLike)) else ds_config)
+    cfg = copy.deepcopy(
+        load_ds_config(ds_config) if isinstance(ds_config, (str, os.PathLike)) else ds_config
+    )
     for key in ("optimizer", "scheduler"):
         cfg.pop(key, None)
     zero = cfg.setdefault("zero_optimization", {})
@@ -270,7 +286,10 @@ def frozen_engine(model, ds_config, offload=False):
         zero.pop("offload_param", None)
     leftover = _auto_paths(cfg)
     if leftover:
-        raise ValueError(f"frozen_engine: ds_config still has \"auto\" at {leftover}; pass it through load_ds_config first")
+        raise ValueError(
+            f'frozen_engine: ds_config still has "auto" at {leftover}; pass it through '
+            "load_ds_config first"
+        )
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     engine.eval()
@@ -293,8 +312,10 @@ def _set(cfg, dotted, value):
         cfg = cfg.setdefault(p, {})
     old = cfg.get(key, "auto")
     if old not in ("auto", value):
-        raise ValueError(f"DeepSpeed config sets {dotted}={old!r} but the script asks for {value!r}: "
-                         f"make them agree, or write \"auto\" in the JSON to take the script's value")
+        raise ValueError(
+            f"DeepSpeed config sets {dotted}={old!r} but the script asks for {value!r}: "
+            f'make them agree, or write "auto" in the JSON to take the script\'s value'
+        )
     cfg[key] = value
 
 
@@ -316,20 +337,26 @@ def load_ds_config(path_or_dict, world_size=None, hidden_size=None, **overrides)
         _set(cfg, key, value)
     zero = cfg.get("zero_optimization", {})
     if hidden_size:
-        for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
-                           ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
-                           ("stage3_param_persistence_threshold", 10 * hidden_size)):
+        for key, value in (
+            ("reduce_bucket_size", hidden_size * hidden_size),
+            ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+            ("stage3_param_persistence_threshold", 10 * hidden_size),
+        ):
             if zero.get(key) == "auto":
                 zero[key] = value
     if world_size is None:
-        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        world_size = (
+            dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        )
     names = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
     micro, accum, total = (cfg.get(k) if cfg.get(k) != "auto" else None for k in names)
     if accum is None and (micro is None or total is None):
         accum = 1  # DeepSpeed's default when it cannot be derived
     if total is None:
         if micro is None or accum is None:
-            raise ValueError(f"DeepSpeed config: set at least two of {names} (or pass them to load_ds_config)")
+            raise ValueError(
+                f"DeepSpeed config: set at least two of {names} (or pass them to load_ds_config)"
+            )
         total = micro * accum * world_size
     elif micro is None:
         micro = total // (accum * world_size)
@@ -337,12 +364,17 @@ def load_ds_config(path_or_dict, world_size=None, hidden_size=None, **overrides)
         accum = total // (micro * world_size)
     if micro * accum * world_size != total or min(micro, accum) < 1:
         raise ValueError(
-            f"DeepSpeed config: train_batch_size={total} but train_micro_batch_size_per_gpu={micro} x "
-            f"gradient_accumulation_steps={accum} x world_size={world_size} = {micro * accum * world_size}; "
-            f"set train_batch_size to \"auto\" or change the micro-batch size / accumulation steps")
+            f"DeepSpeed config: train_batch_size={total} but "
+            f"train_micro_batch_size_per_gpu={micro} x "
+            f"gradient_accumulation_steps={accum} x world_size={world_size} = "
+            f"{micro * accum * world_size}; "
+            f'set train_batch_size to "auto" or change the micro-batch size / accumulation steps'
+        )
     cfg.update(zip(names, (micro, accum, total)))
     leftover = _auto_paths(cfg)
     if leftover:
-        raise ValueError(f"DeepSpeed config leaves {leftover} at \"auto\"; pass values for them "
-                         f"(e.g. load_ds_config(path, **{{'{leftover[0]}': ...}})) or write them in the JSON")
+        raise ValueError(
+            f'DeepSpeed config leaves {leftover} at "auto"; pass values for them '
+            f"(e.g. load_ds_config(path, **{{'{leftover[0]}': ...}})) or write them in the JSON"
+        )
     return cfg
