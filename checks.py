@@ -26,7 +26,7 @@ A failure every rank sees alike (a config error) is printed by rank 0 only; a fa
 (a reward function raising on its own prompts, memory) is printed by that rank, prefixed with it,
 and torchrun stops the other ranks. A known failure is any exception with an `exit_code` attribute
 (RunError here, tasks.RewardError, checkpoint.ResumeError); anything else is a bug and keeps its
-traceback. Imports tasks.py and batching.py, only inside check_inputs (the inputs both loops share).
+traceback. Imports tasks.py and batching.py (check_inputs: the inputs both loops share).
 """
 
 import contextlib
@@ -43,6 +43,9 @@ import traceback
 import types
 
 import torch
+
+from batching import encode_prompts
+from tasks import load_data, score_completions, task_model
 
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM = 2, 3, 4
 
@@ -256,9 +259,6 @@ def check_inputs(args, rank):
     Needs args.ds_config, data, num_eval_prompts, seed, run_dir, model, pad_token,
     max_prompt_length, funcs, weights. Returns (train_rows, eval_rows, model_path, model config,
     tokenizer)."""
-    from batching import encode_prompts
-    from tasks import load_data, score_completions, task_model
-
     read_ds_json(args.ds_config)
     try:
         train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)

@@ -1,6 +1,7 @@
 """Generation for online RL: the training model (plain, ZeRO-3 gathered, ZeRO-3 sharded) through
 batched Hugging Face `generate`, or a colocated vLLM engine fed the training weights in place.
-Imports only zero3_utils (copy both files together).
+Imports only zero3_utils (copy both files together). vLLM is imported inside the functions that
+use it: it is optional (HF generation needs none of it) and its import takes seconds.
 
 Public API
     unwrap_for_generation(engine, gather=True, resident_bytes=0)   context manager -> the nn.Module

@@ -44,7 +44,11 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import deepspeed
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
 
 from batching import (
     all_cat,
@@ -79,9 +83,13 @@ from checks import (
     parse_args_quietly,
     read_ds_json,
 )
-from memory import MemoryLedger
+from generation import VLLMGenerator, generate_hf, unwrap_for_generation
+from logprobs import model_logps
+from memory import PRESETS, MemoryLedger, model_shape, print_estimate
 from runlog import RunLog
-from tasks import batch_rows, reward_functions, score_completions
+from tasks import TASK_CHARS, batch_rows, reward_functions, score_completions
+from tiny_models import llama_config
+from zero3_utils import frozen_engine, load_ds_config, save_hf
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
 # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
@@ -449,8 +457,6 @@ def parse_args(argv=None):
 def deepspeed_config(args, world, hidden_size, dtype):
     """The DeepSpeed JSON with its "auto" values filled from the arguments (a concrete value that
     contradicts them is a ValueError from zero3_utils.load_ds_config)."""
-    from zero3_utils import load_ds_config
-
     with open(args.ds_config) as f:
         raw = json.load(f)
     check_global_batch(raw, args.ds_config, world, args.num_generations)
@@ -514,8 +520,6 @@ def preflight(args, rank, world):
 # ---- Rollout: generate (batching.py encodes and pads, tasks.py scores) -------------------------
 def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
     """Generations for whole groups on this rank: G completions of each prompt, prompt-major."""
-    from generation import generate_hf, unwrap_for_generation
-
     kw = dict(
         num_generations=num_generations,
         max_new_tokens=args.max_completion_length,
@@ -550,8 +554,6 @@ def batch_logps(model, batch, plan, args, device):
     """(B, C) log-probs of the sampled tokens, micro-batch by micro-batch (same slices as the
     update, so the numerics match), never holding (B, T, V). Zero-weight repeats keep ranks in
     step."""
-    from logprobs import model_logps
-
     out = torch.zeros(batch["completion_mask"].shape, dtype=torch.float32)  # (B, C)
     for idx in plan:
         mb = micro_slice(batch, plan[0] if idx is None else idx)
@@ -577,8 +579,6 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
     ranks; we turn off the first and multiply by the world size to undo the second, so the step
     applies exactly the gradient of the full-batch loss, however it is split.
     """
-    from logprobs import model_logps
-
     world, sums = engine.dp_world_size, {}
     phase = ledger.phase if ledger else lambda name: nullcontext()
     with phase("update"):
@@ -650,10 +650,6 @@ def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
 def estimate_run_memory(args):
     """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args, no
     weights loaded."""
-    from memory import PRESETS, model_shape, print_estimate
-    from tasks import TASK_CHARS
-    from tiny_models import llama_config
-
     if not args.model:  # the built-in task's tiny model (tasks.task_model)
         config = llama_config(len(TASK_CHARS) + 4, hidden_size=128, num_layers=2).to_dict()
     elif (
@@ -711,13 +707,6 @@ def main(argv=None):
     if args.preflight:  # run.sh: once, in one process, before torchrun starts the ranks
         preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)))
         return print(f"preflight: {args.ds_config}, data, model, tokenizer and rewards are fine")
-    import deepspeed
-    import torch.distributed as dist
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
-
-    from zero3_utils import frozen_engine, save_hf
-
     # 1. setup: every input checked on every rank before a model loads -----------------------
     rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -754,8 +743,6 @@ def main(argv=None):
         )
     vllm = None
     if args.use_vllm:
-        from generation import VLLMGenerator
-
         vllm = VLLMGenerator(
             model_path,
             tensor_parallel_size=args.vllm_tensor_parallel_size,

@@ -49,7 +49,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import deepspeed
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from batching import (
     all_cat,
@@ -87,10 +91,12 @@ from checks import (
     load_tokenizer,
     parse_args_quietly,
 )
+from generation import generate_hf, unwrap_for_generation
 from logprobs import model_logps, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import RewardError, batch_rows, reward_functions, score_completions
+from zero3_utils import frozen_engine, gathered, load_ds_config, save_hf
 
 # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
 # memory)
@@ -145,8 +151,6 @@ def gae(rewards, values, mask, gamma, lam):
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     """(x - mean) / std over the entries where mask is 1, mean and (unbiased) variance pooled over
     all ranks when torch.distributed is initialised. x, mask (B, C) -> (B, C), 0 where mask is 0."""
-    import torch.distributed as dist
-
     reduce = dist.all_reduce if dist.is_initialized() else (lambda t: t)
     m = mask.to(torch.float64)  # (B, C)
     xd = x.to(torch.float64)  # (B, C)
@@ -447,8 +451,6 @@ def deepspeed_config(args, world, hidden_size, dtype, lr):
     """The DeepSpeed JSON for one trained model (only the learning rate differs) with its "auto"
     values filled from the arguments (a concrete value that contradicts them: zero3_utils'
     ValueError)."""
-    from zero3_utils import load_ds_config
-
     with open(args.ds_config) as f:
         raw = json.load(f)
     check_global_batch(raw, args.ds_config, world * args.num_mini_batches, args.num_generations)
@@ -523,8 +525,6 @@ def preflight(args, rank, world):
 # ---- Rollout: generate, score (batching.py encodes and pads, tasks.py has the rule rewards) ------
 def generate(engine, tokenizer, prompt_ids, args, num_generations):
     """G completions of each prompt, prompt-major, from the actor (HF generate)."""
-    from generation import generate_hf, unwrap_for_generation
-
     with unwrap_for_generation(engine, gather=args.gather_for_generation) as model:
         return generate_hf(
             model,
@@ -591,8 +591,6 @@ class Critic(torch.nn.Module):
 def build_critic(path, from_reward_model, dtype, attn_implementation):
     """From a reward model: its body and its score head. From a causal LM: its body and a zero
     value head (values start at 0, the body's features are trained by the value loss)."""
-    from transformers import AutoModel, AutoModelForSequenceClassification
-
     if from_reward_model:
         rm = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
@@ -782,13 +780,6 @@ def main(argv=None):
     if args.preflight:  # run.sh: once, in one process, before torchrun starts the ranks
         preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)))
         return print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
-    import deepspeed
-    import torch.distributed as dist
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from zero3_utils import frozen_engine, gathered, save_hf
-
     # 1. setup: every input checked on every rank before a model loads -----------------------
     rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -806,7 +797,7 @@ def main(argv=None):
         model.gradient_checkpointing_enable()
         critic.body.gradient_checkpointing_enable()
     if args.lora_r:  # adapters on actor and critic body; the value head stays fully trained
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # optional: only LoRA runs need peft
 
         def lora(task):
             return LoraConfig(

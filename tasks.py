@@ -10,7 +10,7 @@ A row is a dict {"prompt": str, "answer": str}. A reward function is a plain cal
 (prompts, completions, answers) -> list[float], one value per completion; give your own as
 `module:function` (the module on PYTHONPATH); `f.needs_answer = True` makes the pre-flight refuse
 data with rows that carry no answer (such a row's answer is None). Imports no sibling file except
-`tiny_models` (only in `task_model`, for the from-scratch model of the built-in task). Rewards for
+`tiny_models` (`task_model` builds the from-scratch model of the built-in task). Rewards for
 real recipes (math answers, a <think> format, a length penalty) are in rewards.py.
 """
 
@@ -24,6 +24,9 @@ import sys
 import traceback
 
 import torch
+import torch.distributed as dist
+
+from tiny_models import build_tiny
 
 # ---- The built-in task: "largest digit": verifiable, tiny vocabulary, learnable on CPU ---------
 TASK_CHARS = "0123456789="  # the tiny model's whole vocabulary (+ pad, bos, eos, unk): 15 tokens
@@ -43,12 +46,8 @@ def task_model(model, run_dir, rank, seed):
     TASK_CHARS) built from scratch by rank 0 under run_dir/model. Call on every rank (it waits)."""
     if model:
         return model
-    import torch.distributed as dist
-
     path = os.path.join(run_dir, "model")
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
-        from tiny_models import build_tiny
-
         build_tiny(path, hidden_size=128, num_layers=2, chars=TASK_CHARS, seed=seed)
     if dist.is_initialized():
         dist.barrier()

@@ -6,8 +6,8 @@ arguments):
         --ds_config ...
 
 Letters: B sequences, C completion tokens scored (logits_to_keep), V vocabulary. Only a benchmark:
-grpo.py imports logprobs.model_logps at call time, so replacing the module attribute swaps every
-call.
+grpo.py calls model_logps through its own module attribute, so replacing grpo.model_logps swaps
+every call.
 """
 
 import os
@@ -51,6 +51,6 @@ def naive_model_logps(
 
 
 if __name__ == "__main__":
-    logprobs.model_logps = naive_model_logps
+    grpo.model_logps = naive_model_logps
     torch.manual_seed(0)
     exit_process(entry_code(grpo.main))
