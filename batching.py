@@ -6,8 +6,9 @@
     prompt_ids = encode_prompts(tokenizer, rows, max_prompt_length)  # lists of ids, no padding
     batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)  # ids, masks (B, T)
     plan = plan_micro_batches(batch, 8)          # or by tokens: plan_micro_batches(batch, 8, 4096)
-    for idx in plan:                             # None: this rank is short, repeat with weight 0
-        mb = micro_slice(batch, plan[0] if idx is None else idx)
+    for idx, mb, weight in micro_batches(batch, plan):  # weight 0: a repeat, ranks in step
+        if weight:                               # idx: mb's rows in batch, to write results back
+            out[idx, : mb["logits_to_keep"]] = ...
     ids, pos, where = pack(mb)                   # packed: (1, N) ids and positions; unpack(out, cm)
     (total,) = all_sum([local_count])            # float64 sum over ranks, on the backend's device
 
@@ -87,6 +88,17 @@ def plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch=0):
     if dist.is_initialized():
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
     return plan + [None] * (int(n) - len(plan))
+
+
+def micro_batches(batch, plan):
+    """Yield (idx, micro-batch, weight) for each entry of `plan`: its rows `idx`, micro_slice(batch,
+    idx) and weight 1.0. A None entry (this rank has fewer micro-batches than another) yields the
+    plan's first micro-batch again with weight 0.0: every rank then runs the same number of
+    forwards and backwards (ZeRO-3 gathers parameters in them, a collective), and the repeat adds
+    nothing. Callers scale its loss by `weight` and skip writing its results (`if weight:`)."""
+    for idx in plan:
+        rows = plan[0] if idx is None else idx
+        yield rows, micro_slice(batch, rows), 0.0 if idx is None else 1.0
 
 
 def micro_slice(batch, idx):

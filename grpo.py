@@ -56,7 +56,7 @@ from batching import (
     encode_prompts,
     init_distributed,
     make_batch,
-    micro_slice,
+    micro_batches,
     plan_micro_batches,
 )
 from checkpoint import (
@@ -544,6 +544,11 @@ def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
 
 
 # ---- Micro-batches, log-probs and the update -------------------------------------------------
+def to_device(t, device):
+    """A micro-batch's tensor on `device`; None (no reference model, one iteration) stays None."""
+    return None if t is None else t.to(device)
+
+
 def chunk_kw(args):
     """model_logps' tile height: --logprob_chunk_size, or its default."""
     return {"chunk_size": args.logprob_chunk_size} if args.logprob_chunk_size > 0 else {}
@@ -555,8 +560,7 @@ def batch_logps(model, batch, plan, args, device):
     update, so the numerics match), never holding (B, T, V). Zero-weight repeats keep ranks in
     step."""
     out = torch.zeros(batch["completion_mask"].shape, dtype=torch.float32)  # (B, C)
-    for idx in plan:
-        mb = micro_slice(batch, plan[0] if idx is None else idx)
+    for idx, mb, weight in micro_batches(batch, plan):
         lp = model_logps(
             model,
             mb["input_ids"].to(device),
@@ -565,7 +569,7 @@ def batch_logps(model, batch, plan, args, device):
             temperature=args.temperature,
             **chunk_kw(args),
         )  # (b, c)
-        if idx is not None:
+        if weight:
             out[idx, : mb["logits_to_keep"]] = lp.float().cpu()
     return out
 
@@ -582,8 +586,7 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
     world, sums = engine.dp_world_size, {}
     phase = ledger.phase if ledger else lambda name: nullcontext()
     with phase("update"):
-        for i, idx in enumerate(plan):
-            mb = micro_slice(batch, plan[0] if idx is None else idx)
+        for i, (_, mb, weight) in enumerate(micro_batches(batch, plan)):
             # we decide where the step is
             engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
             # through engine.forward, not engine.module: ZeRO-3 counts micro-steps there, and
@@ -597,29 +600,25 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
                 return_entropy=True,
                 **chunk_kw(args),
             )  # (b, c)
-            on_device = {
-                k: None if v is None else v.to(device)
-                for k, v in mb.items()
-                if k != "logits_to_keep"
-            }
+            mask = mb["completion_mask"].to(device)  # (b, c)
             loss, metrics = grpo_loss(
                 logps,
-                on_device["old_logps"],
-                on_device["ref_logps"],
-                on_device["advantages"],
-                on_device["completion_mask"],
+                to_device(mb["old_logps"], device),
+                to_device(mb["ref_logps"], device),
+                mb["advantages"].to(device),
+                mask,
                 beta=args.beta,
                 epsilon_low=args.epsilon_low,
                 epsilon_high=args.epsilon_high,
                 loss_type=args.loss_type,
                 normalizer=normalizer,
-                is_weights=on_device.get("is_weights"),
+                is_weights=to_device(mb.get("is_weights"), device),
             )
-            # a padding micro-batch only keeps the collectives in step
-            weight = 0.0 if idx is None else 1.0
-            engine.backward(loss * weight * world, scale_wrt_gas=False)
-            if idx is not None:
-                metrics["entropy"] = (entropy.detach() * on_device["completion_mask"]).sum()
+            engine.backward(
+                loss * weight * world, scale_wrt_gas=False
+            )  # weight 0: a padding repeat
+            if weight:
+                metrics["entropy"] = (entropy.detach() * mask).sum()
                 metrics["loss"] = loss.detach()
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
@@ -849,9 +848,9 @@ def main(argv=None):
         # 6. update: micro-batches, accumulation, one optimizer step per iteration -----------
         t1 = time.time()
         local = sum(
-            loss_normalizer(batch["completion_mask"][i], args.loss_type, args.max_completion_length)
-            for i in plan
-            if i is not None
+            weight
+            * loss_normalizer(mb["completion_mask"], args.loss_type, args.max_completion_length)
+            for _, mb, weight in micro_batches(batch, plan)
         )
         (normalizer,) = all_sum([local])
         skipped = 0

@@ -62,7 +62,7 @@ from batching import (
     encode_prompts,
     init_distributed,
     make_batch,
-    micro_slice,
+    micro_batches,
     pack,
     plan_micro_batches,
     unpack,
@@ -544,10 +544,8 @@ def score(args, rows, completions, num_generations, batch, plan, reward_model, d
     if reward_model is not None:
         out = torch.zeros(batch["input_ids"].shape[0])  # (B,)
         with torch.no_grad():
-            for idx in (
-                plan
-            ):  # the reward model reads the rightmost non-pad token (the EOS or the last one)
-                mb = micro_slice(batch, plan[0] if idx is None else idx)
+            # the reward model reads the rightmost non-pad token (the EOS or the last one)
+            for idx, mb, weight in micro_batches(batch, plan):
                 am = mb["attention_mask"].to(device)  # (b, t)
                 logits = reward_model(
                     input_ids=mb["input_ids"].to(device),
@@ -555,15 +553,14 @@ def score(args, rows, completions, num_generations, batch, plan, reward_model, d
                     position_ids=positions_from_mask(am),
                     use_cache=False,
                 ).logits  # (b, 1)
-                if idx is not None:
+                if weight:
                     out[idx] = logits[:, 0].float().cpu()
         if not torch.isfinite(out).all():
+            bad = ~torch.isfinite(out)  # (B,)
             raise RewardError(
-                f"--reward_model {args.reward_model} gave {int((~torch.isfinite(out)).sum())} "
-                "non-finite "
-                f"scores (first: {completions[int((~torch.isfinite(out)).nonzero()[0])]!r}); check "
-                "the "
-                f"model in fp32 (--dtype fp32) or its checkpoint"
+                f"--reward_model {args.reward_model} gave {int(bad.sum())} non-finite scores "
+                f"(first: {completions[int(bad.nonzero()[0])]!r}); check the model in fp32 "
+                "(--dtype fp32) or its checkpoint"
             )
         return out, {}
     return score_completions(args.funcs, args.weights, rows, completions, num_generations)
@@ -655,11 +652,10 @@ def rollout_forwards(scorers, batch, plan):
     out = {
         name: torch.zeros(batch["completion_mask"].shape, dtype=torch.float32) for name in scorers
     }  # (B, C)
-    for idx in plan:
-        mb = micro_slice(batch, plan[0] if idx is None else idx)
+    for idx, mb, weight in micro_batches(batch, plan):
         for name, fn in scorers.items():
             v = fn(mb)  # (b, c)
-            if idx is not None:
+            if weight:
                 out[name][idx, : mb["logits_to_keep"]] = v.float().cpu()
     return out
 
@@ -679,16 +675,13 @@ def train_on_batch(actor, critic, batch, plan, args, device):
     sums, n_updates = {}, args.ppo_epochs * len(groups)
     for _ in range(args.ppo_epochs):
         for group in groups:
-            (normalizer,) = all_sum(
-                [sum(float(batch["completion_mask"][i].sum()) for i in group if i is not None)]
+            tokens = sum(
+                w * float(mb["completion_mask"].sum()) for _, mb, w in micro_batches(batch, group)
             )
+            (normalizer,) = all_sum([tokens])
             normalizer = max(normalizer, 1.0)
-            for i, idx in enumerate(group):
-                mb = micro_slice(batch, group[0] if idx is None else idx)
+            for i, (_, mb, weight) in enumerate(micro_batches(batch, group)):
                 mask = mb["completion_mask"].to(device)  # (b, c)
-                to = lambda t: t.to(device)  # noqa: E731
-                # a padding micro-batch only keeps the collectives in step
-                weight = 0.0 if idx is None else 1.0
                 boundary = i == len(group) - 1  # we decide where the step is
                 # through the engines' forward: ZeRO-3 counts micro-steps there (see grpo.py)
                 actor.set_gradient_accumulation_boundary(boundary)
@@ -701,27 +694,19 @@ def train_on_batch(actor, critic, batch, plan, args, device):
                     return_entropy=True,
                     chunk_size=args.logprob_chunk_size,
                 )  # (b, c)
-                pl, pm = policy_loss(
-                    logps,
-                    to(mb["old_logps"]),
-                    to(mb["advantages"]),
-                    mask,
-                    args.cliprange,
-                    normalizer,
-                )
-                actor.backward(pl * weight * world, scale_wrt_gas=False)
+                old_logps, advantages = mb["old_logps"].to(device), mb["advantages"].to(device)
+                pl, pm = policy_loss(logps, old_logps, advantages, mask, args.cliprange, normalizer)
+                actor.backward(
+                    pl * weight * world, scale_wrt_gas=False
+                )  # weight 0: a padding repeat
                 critic.set_gradient_accumulation_boundary(boundary)
                 values = forward_values(critic, mb, args.packing, device)  # (b, c)
+                old_values, returns = mb["values"].to(device), mb["returns"].to(device)
                 vl, vm = value_loss(
-                    values,
-                    to(mb["values"]),
-                    to(mb["returns"]),
-                    mask,
-                    args.cliprange_value,
-                    normalizer,
+                    values, old_values, returns, mask, args.cliprange_value, normalizer
                 )
                 critic.backward(vl * weight * world, scale_wrt_gas=False)
-                if idx is not None:
+                if weight:
                     # summed: the mean mini-batch loss
                     metrics = {
                         **pm,
