@@ -18,13 +18,16 @@ packed row and M completion tokens in it. Prompts are left-padded, completions r
 every prompt ends and every completion starts at column P.
 
 Collectives put their tensors where the process group's backend needs them (`comm_device`: the
-current GPU under NCCL, the CPU under gloo), so the same loop runs on both. Imports no sibling file.
+current GPU under NCCL, the CPU under gloo), so the same loop runs on both. Imports zero3_utils
+(comm_device, all_max: the helpers generation.py shares).
 """
 
 import os
 
 import torch
 import torch.distributed as dist
+
+from zero3_utils import all_max, comm_device
 
 
 # ---- Rollouts to a batch ------------------------------------------------------------------------
@@ -84,10 +87,7 @@ def plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch=0):
         plan.append(torch.tensor(cur))
     else:
         plan = list(torch.arange(B).split(micro_batch_size))
-    n = torch.tensor(len(plan), device=comm_device())
-    if dist.is_initialized():
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return plan + [None] * (int(n) - len(plan))
+    return plan + [None] * (all_max(len(plan)) - len(plan))
 
 
 def micro_batches(batch, plan):
@@ -167,12 +167,6 @@ def init_distributed():
     if cuda:
         torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def comm_device():
-    """Where a collective's tensors must live: the current GPU under NCCL, else the CPU."""
-    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def all_sum(values):

@@ -34,7 +34,8 @@ Preemption (StopOnSignal): SIGTERM, what a job scheduler sends before it kills a
 A resume is refused when the saved config differs from this run's in any key outside
 RESUME_MAY_CHANGE (ZeRO shards are per rank, so world_size may not change either): the run would not
 continue the same training; and when the checkpoint's metadata is corrupt or a file it recorded is
-missing or cut short (copied by hand, a disk filled up). Imports no sibling file.
+missing or cut short (copied by hand, a disk filled up). Imports zero3_utils (the rank, a max over
+ranks).
 """
 
 import json
@@ -43,8 +44,9 @@ import re
 import shutil
 import signal
 
-import torch
 import torch.distributed as dist
+
+from zero3_utils import all_max, process_rank
 
 # keys that only change how long the run goes, how often it saves or evaluates, and where it logs;
 # num_eval_prompts is NOT one of them: the held-out rows are split off the data, so it changes the
@@ -73,10 +75,6 @@ class ResumeError(ValueError):
     print it as one line (every rank finds the same files) and exit 2."""
 
     exit_code, everywhere = 2, True
-
-
-def _rank():
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _barrier():
@@ -169,7 +167,7 @@ def save_checkpoint(engines, ckpt_dir, step, config, save_total_limit=0):
     """Every rank calls this. engines: {name: DeepSpeed engine}; config: the run's config (JSON-able
     entries are kept, with world_size) that check_resume compares on resume. Returns the step
     dir."""
-    rank, name = _rank(), f"step{step}"
+    rank, name = process_rank(), f"step{step}"
     tmp, final = os.path.join(ckpt_dir, f".tmp-{name}"), os.path.join(ckpt_dir, name)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a half-written save of this step by a killed run
@@ -384,12 +382,7 @@ class StopOnSignal:
     def requested(self):
         """The signal any rank received (a number, max over ranks), or 0; every rank must call
         it."""
-        flag = torch.tensor([self.received])
-        if dist.is_available() and dist.is_initialized():
-            if dist.get_backend() == "nccl":
-                flag = flag.cuda()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        return all_max(self.received)
 
     @staticmethod
     def message(signum, step, ckpt_path):

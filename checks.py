@@ -26,7 +26,8 @@ A failure every rank sees alike (a config error) is printed by rank 0 only; a fa
 (a reward function raising on its own prompts, memory) is printed by that rank, prefixed with it,
 and torchrun stops the other ranks. A known failure is any exception with an `exit_code` attribute
 (RunError here, tasks.RewardError, checkpoint.ResumeError); anything else is a bug and keeps its
-traceback. Imports tasks.py and batching.py (check_inputs: the inputs both loops share).
+traceback. Imports tasks.py and batching.py (check_inputs: the inputs both loops share), memory.py
+(is_out_of_memory) and zero3_utils.py (process_rank).
 """
 
 import contextlib
@@ -45,7 +46,9 @@ import types
 import torch
 
 from batching import encode_prompts
+from memory import is_out_of_memory
 from tasks import load_data, score_completions, task_model
+from zero3_utils import process_rank
 
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM = 2, 3, 4
 
@@ -59,24 +62,12 @@ class RunError(RuntimeError):
         self.exit_code, self.everywhere = exit_code, everywhere
 
 
-def _rank():
-    return int(os.environ.get("RANK", 0))
-
-
 def report(message, everywhere=True, label="error"):
     """One line to stderr: from rank 0 when every rank has the same message, else from this rank."""
-    if everywhere and _rank() != 0:
+    if everywhere and process_rank() != 0:
         return
-    where = "" if everywhere else f"[rank {_rank()}] "
+    where = "" if everywhere else f"[rank {process_rank()}] "
     print(f"{where}{label}: {message}", file=sys.stderr, flush=True)
-
-
-def is_out_of_memory(e):
-    """CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError (torch raises a plain one
-    there)."""
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "DefaultCPUAllocator" in str(e) and "allocate" in str(e)
-    )
 
 
 def entry(main, argv=None):
@@ -96,8 +87,8 @@ def entry(main, argv=None):
             e
         ):  # another rank failed first and said why; a traceback here would only bury that
             print(
-                f"[rank {_rank()}] stopped: lost the connection to another rank (its message above "
-                "says why)",
+                f"[rank {process_rank()}] stopped: lost the connection to another rank (its "
+                "message above says why)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -130,7 +121,7 @@ def entry_code(main, argv=None):
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:
         print(
-            f"[rank {_rank()}] interrupted: stopped at once, no checkpoint written",
+            f"[rank {process_rank()}] interrupted: stopped at once, no checkpoint written",
             file=sys.stderr,
             flush=True,
         )
@@ -174,7 +165,7 @@ def _peer_lost(e):
 def parse_args_quietly(dataclass_type, argv=None):
     """HfArgumentParser, with argparse's usage and error text printed by rank 0 only (argparse exits
     2); an argument no field takes, or a value outside its field's "range", is a RunError."""
-    quiet = _rank() != 0
+    quiet = process_rank() != 0
     sink = io.StringIO()
     with (
         contextlib.redirect_stderr(sink) if quiet else contextlib.nullcontext(),

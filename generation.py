@@ -41,11 +41,13 @@ import torch.distributed as dist
 
 from zero3_utils import (
     _module,
+    all_max,
     gathered,
     is_sharded,
     is_zero3,
     iter_full_params,
     partially_gathered,
+    process_rank,
     without_hooks,
 )
 
@@ -107,17 +109,6 @@ def _stack_right_padded(rows, pad_value, dtype):
     return out
 
 
-def _max_over_ranks(n):
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return n
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    )
-    t = torch.tensor([n], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def _ids_list(x):
     return [int(x)] if isinstance(x, int) else [int(i) for i in x]
 
@@ -175,7 +166,7 @@ def generate_hf(
 
     seqs = [p for p in prompts for _ in range(num_generations)]  # prompt-major: row i*G + g
     chunks = [seqs[i : i + batch_size] for i in range(0, len(seqs), batch_size)]
-    n_calls = _max_over_ranks(len(chunks)) if synced_gpus else len(chunks)
+    n_calls = all_max(len(chunks)) if synced_gpus else len(chunks)
     rows = []
     for c in range(n_calls):
         chunk = chunks[c] if c < len(chunks) else [[pad_token_id]]  # dummy keeps this rank stepping
@@ -235,7 +226,7 @@ class VLLMGenerator:
     ):
         from vllm import LLM
 
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = process_rank()
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world % tensor_parallel_size:
             raise ValueError(
@@ -300,7 +291,7 @@ class VLLMGenerator:
         size = self.vllm_batch_size or max(len(local), 1)
         batches = [local[i : i + size] for i in range(0, len(local), size)]
         # External-launcher engines step in lockstep: every rank makes the same number of calls.
-        n_calls = _max_over_ranks(len(batches))
+        n_calls = all_max(len(batches))
         outputs = []
         for b in range(n_calls):
             batch = batches[b] if b < len(batches) else [[0]]  # a 1-token dummy, output dropped

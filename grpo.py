@@ -84,7 +84,7 @@ from checks import (
     read_ds_json,
 )
 from generation import VLLMGenerator, generate_hf, unwrap_for_generation
-from logprobs import model_logps
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps
 from memory import PRESETS, MemoryLedger, model_shape, print_estimate
 from runlog import RunLog
 from tasks import TASK_CHARS, batch_rows, reward_functions, score_completions
@@ -347,8 +347,8 @@ class Args:
     logprob_chunk_size: int = field(
         default=0,
         metadata={
-            "help": "tokens per fused log-prob tile (x 4096 vocab columns, fp32); "
-            "0: logprobs.py's 2048",
+            "help": f"tokens per fused log-prob tile (x {DEFAULT_VOCAB_CHUNK_SIZE} vocab columns, "
+            f"fp32); 0: logprobs.py's {DEFAULT_CHUNK_SIZE}",
             "range": ">= 0",
         },
     )
@@ -549,11 +549,6 @@ def to_device(t, device):
     return None if t is None else t.to(device)
 
 
-def chunk_kw(args):
-    """model_logps' tile height: --logprob_chunk_size, or its default."""
-    return {"chunk_size": args.logprob_chunk_size} if args.logprob_chunk_size > 0 else {}
-
-
 @torch.no_grad()
 def batch_logps(model, batch, plan, args, device):
     """(B, C) log-probs of the sampled tokens, micro-batch by micro-batch (same slices as the
@@ -567,7 +562,7 @@ def batch_logps(model, batch, plan, args, device):
             mb["attention_mask"].to(device),
             mb["logits_to_keep"],
             temperature=args.temperature,
-            **chunk_kw(args),
+            chunk_size=args.logprob_chunk_size,  # 0: logprobs.py's default
         )  # (b, c)
         if weight:
             out[idx, : mb["logits_to_keep"]] = lp.float().cpu()
@@ -598,7 +593,7 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
                 mb["logits_to_keep"],
                 temperature=args.temperature,
                 return_entropy=True,
-                **chunk_kw(args),
+                chunk_size=args.logprob_chunk_size,  # 0: logprobs.py's default
             )  # (b, c)
             mask = mb["completion_mask"].to(device)  # (b, c)
             loss, metrics = grpo_loss(
@@ -694,7 +689,7 @@ def estimate_run_memory(args):
         generation_batch_size=args.generation_batch_size,
         reference_model=args.beta > 0,
         ref_offload=args.ref_offload,
-        logprob_chunk=(args.logprob_chunk_size or 2048, 4096),
+        logprob_chunk=(args.logprob_chunk_size or DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE),
         fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False),
     )
 

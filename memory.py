@@ -46,6 +46,8 @@ from contextlib import contextmanager
 
 import torch
 
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
+
 GB = 2**30
 
 
@@ -284,7 +286,7 @@ def estimate_memory(
     completion_len=1024,
     num_generations=8,
     prompts_per_rank=1,
-    logprob_chunk=(2048, 4096),
+    logprob_chunk=(DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE),
     fused_logprobs=True,
     use_vllm=False,
     gpu_memory_utilization=0.3,
@@ -524,7 +526,8 @@ def main(argv=None):
         num_generations: int = field(default=8, metadata={"help": "completions per prompt"})
         prompts_per_rank: int = field(default=1, metadata={"help": "prompts per rank per step"})
         logprob_chunk: str = field(
-            default="2048,4096", metadata={"help": "fused log-prob tile: tokens,vocab"}
+            default=f"{DEFAULT_CHUNK_SIZE},{DEFAULT_VOCAB_CHUNK_SIZE}",
+            metadata={"help": "fused log-prob tile: tokens,vocab"},
         )
         fused_logprobs: bool = field(
             default=True, metadata={"help": "False: naive (m, C, V) logits"}

@@ -92,7 +92,7 @@ from checks import (
     parse_args_quietly,
 )
 from generation import generate_hf, unwrap_for_generation
-from logprobs import model_logps, positions_from_mask
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import RewardError, batch_rows, reward_functions, score_completions
@@ -327,8 +327,8 @@ class Args:
     logprob_chunk_size: int = field(
         default=0,
         metadata={
-            "help": "tokens per fused log-prob tile (x 4096 vocab columns, fp32); "
-            "0: logprobs.py's 2048",
+            "help": f"tokens per fused log-prob tile (x {DEFAULT_VOCAB_CHUNK_SIZE} vocab columns, "
+            f"fp32); 0: logprobs.py's {DEFAULT_CHUNK_SIZE}",
             "range": ">= 0",
         },
     )
@@ -601,12 +601,8 @@ def build_critic(path, from_reward_model, dtype, attn_implementation):
 
 def forward_logps(model, mb, temperature, packing, device, return_entropy=False, chunk_size=0):
     """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed.
-    chunk_size > 0: tokens per fused log-prob tile (logprobs.py's default otherwise)."""
-    kw = dict(
-        temperature=temperature,
-        return_entropy=return_entropy,
-        **({"chunk_size": chunk_size} if chunk_size else {}),
-    )
+    chunk_size: tokens per fused log-prob tile (0: logprobs.py's default)."""
+    kw = dict(temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size)
     if not packing:
         return model_logps(
             model,

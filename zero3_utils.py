@@ -6,6 +6,8 @@ its parameters and the post-hook frees them again. Everything below either works
 (streaming, one bounded group at a time) or switches it off for a while (gathered generation).
 
 Public API
+    process_rank() / comm_device() / all_max(n)        this rank; the device collectives need (the
+                                                       GPU under NCCL, else CPU); a max over ranks
     is_zero3(model_or_engine) -> bool                  parameters partitioned by ZeRO-3?
     is_sharded(model_or_engine) -> bool                ... and some are not gathered right now?
     gathered(params_or_module, enabled=True)           GatheredParameters; no-op off ZeRO-3
@@ -38,6 +40,28 @@ import torch.distributed as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 
+# ---- The process group: this rank, and where collectives put their tensors --------------------
+def process_rank():
+    """This process's rank: the process group's, or before it exists torchrun's RANK (0 alone)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def comm_device():
+    """Where a collective's tensors must live: the current GPU under NCCL, else the CPU."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def all_max(n):
+    """The largest of the integers `n` over all ranks (`n` itself without a process group)."""
+    if not dist.is_initialized():
+        return n
+    t = torch.tensor([n], dtype=torch.long, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+# ---- Modules inside engines, ZeRO-3 parameters ---------------------------------------------------
 def _module(model_or_engine):
     """The nn.Module inside a DeepSpeedEngine (or the module itself)."""
     return (
@@ -228,7 +252,7 @@ def save_hf(engine_or_model, tokenizer, path, max_shard_bytes=2 * 2**30):
     from safetensors.torch import save_file
 
     model = _module(engine_or_model)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = process_rank()
     if rank == 0:
         os.makedirs(path, exist_ok=True)
     shards, shard, shard_bytes = [], {}, 0
