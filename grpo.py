@@ -92,6 +92,18 @@ from tiny_models import llama_config
 from zero3_utils import frozen_engine, load_ds_config, save_hf
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
+# --recipe NAME: a named set of defaults (--help lists them); a flag given on the command line wins.
+# Args' own defaults fit the from-scratch tiny task; run.sh passes --recipe pretrained with MODEL.
+RECIPES = {
+    "pretrained": {  # a small LR, longer answers, a batch that fits beside a real model
+        "learning_rate": 1e-6,
+        "max_completion_length": 256,
+        "prompts_per_rank": 4,
+        "per_device_train_batch_size": 4,
+        "gradient_checkpointing": True,
+        "eval_steps": 100,
+    },
+}
 # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
 # memory)
 OOM_HINTS = {
@@ -211,6 +223,16 @@ def grpo_loss(
 class Args:
     model: str = field(
         default="", metadata={"help": "policy hub id or path; empty: tiny model from scratch"}
+    )
+    recipe: str = field(
+        default="",
+        metadata={
+            "help": "a named set of defaults, flags on the command line win; "
+            + "; ".join(
+                f"{name}: " + ", ".join(f"--{k} {v}" for k, v in values.items())
+                for name, values in RECIPES.items()
+            )
+        },
     )
     data: str = field(
         default="", metadata={"help": "JSONL of {prompt, answer}; empty: the largest-digit task"}
@@ -428,6 +450,13 @@ class Args:
 def parse_args(argv=None):
     """Args, checked on their own (no file read yet); derived: funcs, weights, batch_size, micro."""
     args = parse_args_quietly(Args, argv)  # argparse's errors: exit 2; then each field's "range"
+    if args.recipe:
+        if args.recipe not in RECIPES:
+            raise RunError(f"--recipe {args.recipe}: choose one of {', '.join(RECIPES)}")
+        given = {a[2:].split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+        for name, value in RECIPES[args.recipe].items():
+            if name not in given:
+                setattr(args, name, value)
     if args.loss_type not in LOSS_TYPES:
         raise RunError(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
     if args.use_vllm and args.gather_for_generation is False:

@@ -262,3 +262,17 @@ def test_estimate_memory_flag_prints_the_estimate_and_exits(capsys, monkeypatch)
     tiny = main(["--estimate_memory", "True", "--max_prompt_length", "8"])
     # the estimate takes prompts at their longest
     assert 0 < max(tiny["phases"].values()) < 0.1 * GB
+
+
+def test_recipe_sets_its_defaults_and_the_command_line_wins():
+    """--recipe pretrained (what run.sh passes with MODEL) is RECIPES' values, one place."""
+    import grpo
+
+    plain = grpo.parse_args([])
+    args = grpo.parse_args(["--recipe", "pretrained", "--eval_steps=7", "--learning_rate", "2e-6"])
+    for name, value in grpo.RECIPES["pretrained"].items():
+        want = {"eval_steps": 7, "learning_rate": 2e-6}.get(name, value)
+        assert getattr(args, name) == want != getattr(plain, name)
+    assert args.micro == 4 and args.batch_size == 4 * args.num_generations
+    with pytest.raises(grpo.RunError, match="--recipe nope: choose one of pretrained"):
+        grpo.parse_args(["--recipe", "nope"])
