@@ -8,7 +8,8 @@ Launch (see run.sh, which wires this through torchrun and a DeepSpeed JSON):
     python -m torch.distributed.run --nproc_per_node 2 grpo.py --ds_config configs/zero3.json ...
 
 One step: each rank takes `prompts_per_rank` prompts, generates `num_generations`
-completions for each (a whole group always lives on one rank: DESIGN.md problem 4),
+completions for each (a whole group always lives on one rank: README, "Why whole groups
+stay on one rank"),
 scores them with the reward functions, turns rewards into group-relative advantages,
 computes old/reference log-probs without gradients, then updates the policy over
 micro-batches with gradient accumulation and one optimizer step (per iteration).
@@ -502,7 +503,8 @@ def deepspeed_config(args, world, hidden_size, dtype):
     return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
 
 
-# Knobs that change memory, not the update (micro-batching never changes it: DESIGN.md problem 4),
+# Knobs that change memory, not the update (micro-batching never changes it: README, "Why whole
+# groups stay on one rank"),
 # so a run that ran out of memory can be resumed with one of them turned.
 MEMORY_KNOBS = (
     "per_device_train_batch_size",

@@ -30,7 +30,8 @@ Departures from the paper (InstructGPT / "Fine-Tuning LMs from Human Preferences
 - Value of completion token t = the critic at the position that predicts it (the state before t);
   after the last token the value is 0 (the episode ends).
 - Loss sums are divided by the WHOLE mini-batch's token count (all micro-batches, all ranks), so
-  the update does not depend on how it is split into micro-batches (DESIGN.md problem 4).
+  the update does not depend on how it is split into micro-batches (README, "Why whole groups
+  stay on one rank").
 - Packing (`--packing`) concatenates a micro-batch's sequences into one row with position ids
   restarting per sequence; transformers turns that into a block-diagonal causal mask (SDPA, eager)
   or variable-length kernels (flash attention), so no token attends across sequences.
@@ -469,7 +470,8 @@ def deepspeed_config(args, world, hidden_size, dtype, lr):
     return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
 
 
-# Knobs that change memory, not the update (micro-batching never changes it: DESIGN.md problem 4),
+# Knobs that change memory, not the update (micro-batching never changes it: README, "Why whole
+# groups stay on one rank"),
 # so a run that ran out of memory can be resumed with one of them turned.
 MEMORY_KNOBS = (
     "micro_train_batch_size",
