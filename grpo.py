@@ -9,9 +9,8 @@ Launch (see run.sh, which wires this through torchrun and a DeepSpeed JSON):
 
 One step: each rank takes `prompts_per_rank` prompts, generates `num_generations`
 completions for each (a whole group always lives on one rank: README, "Why whole groups
-stay on one rank"),
-scores them with the reward functions, turns rewards into group-relative advantages,
-computes old/reference log-probs without gradients, then updates the policy over
+stay on one rank"), scores them with the reward functions, turns rewards into group-relative
+advantages, computes old/reference log-probs without gradients, then updates the policy over
 micro-batches with gradient accumulation and one optimizer step (per iteration).
 
 Letters in shape comments: B sequences in a (micro-)batch, P prompt tokens, C completion
