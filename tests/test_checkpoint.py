@@ -342,3 +342,18 @@ def test_new_run_checks_in_the_preflight(tmp_path, monkeypatch, capsys, loop):
     assert preflight("--overwrite", "True") == 0
     assert preflight("--overwrite", "True", "--resume", "True") == 2
     assert "contradict each other" in capsys.readouterr().err
+
+
+def test_run_dir_keeps_every_imported_source_and_the_git_state(tmp_path):
+    """runlog.RunLog copies the entry script, and into src/ every repository module the process
+    imported (here: the test, conftest, runlog, checkpoint ...), plus git's commit and diff."""
+    log = RunLog(str(tmp_path), __file__, {}, rank=0)
+    log.file.close()
+    src = tmp_path / "src"
+    assert (tmp_path / "test_checkpoint.py").exists()
+    for rel in ("runlog.py", "checkpoint.py", "tests/conftest.py", "tests/test_checkpoint.py"):
+        assert (src / rel).read_text() == open(os.path.join(ROOT, rel)).read(), rel
+    assert not any(".venv" in str(p) or "site-packages" in str(p) for p in src.rglob("*"))
+    if (src / "git_commit.txt").exists():  # a git checkout
+        assert len((src / "git_commit.txt").read_text().split()[0]) == 40
+        assert (src / "git.diff").exists()
