@@ -135,9 +135,8 @@ def pack(mb):
         n_c, L = int(cm.sum()), len(seq)
         ids.append(seq)
         pos.append(torch.arange(L))
-        where.append(
-            torch.arange(offset + L - n_c - 1, offset + L - 1)
-        )  # position t predicts token t + 1
+        # position t predicts token t + 1
+        where.append(torch.arange(offset + L - n_c - 1, offset + L - 1))
         offset += L
     return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(where)
 

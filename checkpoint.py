@@ -88,10 +88,8 @@ def jsonable(config):
     for k, v in config.items():
         try:
             out[k] = json.loads(json.dumps(v))
-        except (
-            TypeError,
-            ValueError,
-        ):  # functions, tensors, ...: not part of the comparable config
+        # functions, tensors, ...: not part of the comparable config
+        except (TypeError, ValueError):
             pass
     return out
 

@@ -78,14 +78,12 @@ def entry(main, argv=None):
         main(argv)
         return 0
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
-        if hasattr(
-            e, "exit_code"
-        ):  # a RunError, or a sibling's own (RewardError, ResumeError): no traceback
+        # a RunError, or a sibling's own (RewardError, ResumeError): no traceback
+        if hasattr(e, "exit_code"):
             report(str(e), getattr(e, "everywhere", False), getattr(e, "label", "error"))
             return e.exit_code
-        if _peer_lost(
-            e
-        ):  # another rank failed first and said why; a traceback here would only bury that
+        # another rank failed first and said why; a traceback here would only bury that
+        if _peer_lost(e):
             print(
                 f"[rank {process_rank()}] stopped: lost the connection to another rank (its "
                 "message above says why)",

@@ -219,6 +219,7 @@ def grpo_loss(
 
 
 # ---- Configuration ---------------------------------------------------------------------------
+# Glue kept parallel with ppo.py's on purpose (README, Files): change both together.
 @dataclass
 class Args:
     model: str = field(
@@ -639,9 +640,8 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
                 normalizer=normalizer,
                 is_weights=to_device(mb.get("is_weights"), device),
             )
-            engine.backward(
-                loss * weight * world, scale_wrt_gas=False
-            )  # weight 0: a padding repeat
+            # weight 0: a padding repeat
+            engine.backward(loss * weight * world, scale_wrt_gas=False)
             if weight:
                 metrics["entropy"] = (entropy.detach() * mask).sum()
                 metrics["loss"] = loss.detach()
@@ -653,6 +653,7 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
 
 
 # ---- Evaluation ------------------------------------------------------------------------------
+# Glue kept parallel with ppo.py's on purpose (README, Files): change both together.
 def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
     """Held-out mean reward and accuracy: one sampled completion per prompt, prompts split over
     ranks."""
@@ -671,16 +672,18 @@ def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
 
 
 # ---- The loop --------------------------------------------------------------------------------
+# Glue kept parallel with ppo.py's on purpose (README, Files): change both together.
 def estimate_run_memory(args):
     """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args, no
     weights loaded."""
     if not args.model:  # the built-in task's tiny model (tasks.task_model)
         config = llama_config(len(TASK_CHARS) + 4, hidden_size=128, num_layers=2).to_dict()
+    # a preset, a model directory or a config.json
     elif (
         args.model.lower() in PRESETS
         or os.path.isfile(os.path.join(args.model, "config.json"))
         or os.path.isfile(args.model)
-    ):  # a preset, a model directory or a config.json
+    ):
         config = args.model
     else:  # a cached hub id (its config, no weights needed), or a path that is not there
         try:
@@ -745,9 +748,8 @@ def main(argv=None):
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
 
-    def warmup(
-        optimizer,
-    ):  # linear warmup; a client scheduler, so the JSON needs no scheduler section
+    # linear warmup; a client scheduler, so the JSON needs no scheduler section
+    def warmup(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1))
         )
@@ -810,9 +812,8 @@ def main(argv=None):
         return reward
 
     ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
-    guard = StepGuard(
-        args.max_bad_steps
-    )  # skipped non-finite steps: counted, and a stop after a few in a row
+    # skipped non-finite steps: counted, and a stop after a few in a row
+    guard = StepGuard(args.max_bad_steps)
     t_start = time.time()
     first = float("nan")  # on resume the first held-out score is already in metrics.jsonl
     if args.num_eval_prompts and not args.resume:
@@ -824,9 +825,8 @@ def main(argv=None):
     stop = StopOnSignal()  # SIGTERM / Ctrl-C from here on: finish the step, checkpoint it, exit 5
     for step in bar:
         t0 = time.time()
-        torch.manual_seed(
-            args.seed * 7919 + step * world + rank
-        )  # sampling replays exactly on resume
+        # sampling replays exactly on resume
+        torch.manual_seed(args.seed * 7919 + step * world + rank)
 
         # 3. rollout: whole groups on this rank ----------------------------------------------
         rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N : (rank + 1) * N]
@@ -840,9 +840,8 @@ def main(argv=None):
             if vllm is not None:
                 vllm.sleep()  # free vLLM's KV cache while the trainer works (GPU; CPU: a no-op)
             completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
-            rewards, per_func = score_completions(
-                args.funcs, args.weights, rows, completions, G
-            )  # (B,)
+            # rewards (B,): the weighted total; per_func {name: (B,)}
+            rewards, per_func = score_completions(args.funcs, args.weights, rows, completions, G)
 
             # 4. advantages on whole groups -------------------------------------------------
             batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
@@ -858,12 +857,11 @@ def main(argv=None):
         if ref is not None:
             with ledger.phase("ref_logprobs"):
                 batch["ref_logps"] = batch_logps(ref.module, batch, plan, args, device)
-        if (
-            args.vllm_importance_cap > 0
-        ):  # vLLM sampled these tokens; the trainer scores them a bit differently
+        # vLLM sampled these tokens; the trainer scores them a bit differently
+        if args.vllm_importance_cap > 0:
             gap = (batch["old_logps"] - gens.logprobs) * gens.completion_mask  # (B, C)
             batch["is_weights"] = torch.exp(gap).clamp(max=args.vllm_importance_cap)  # (B, C)
-            sums_is = all_sum(
+            is_ratio_sums = all_sum(
                 [
                     (torch.exp(gap) * gens.completion_mask).sum().item(),
                     gens.completion_mask.sum().item(),
@@ -880,35 +878,31 @@ def main(argv=None):
         (normalizer,) = all_sum([local])
         skipped = 0
         for _ in range(args.num_iterations):
-            sums = train_on_batch(
-                engine, batch, plan, args, normalizer, device, ledger
-            )  # update, optimizer_step
-            skipped += (
-                not engine.was_step_applied()
-            )  # DeepSpeed refused a non-finite step, alike on every rank
+            # update, optimizer_step
+            sums = train_on_batch(engine, batch, plan, args, normalizer, device, ledger)
+            # DeepSpeed refused a non-finite step, alike on every rank
+            skipped += not engine.was_step_applied()
         t_update = time.time() - t1
 
         # 7. logging and saving --------------------------------------------------------------
         keys = sorted(sums)
         totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
-        grad_norm = (
-            engine.get_global_grad_norm()
-        )  # a float or a 0-d tensor, by ZeRO stage and offload
+        # a float or a 0-d tensor, by ZeRO stage and offload
+        grad_norm = engine.get_global_grad_norm()
         grad_norm = None if grad_norm is None else float(grad_norm)
         guard.update(step + 1, totals["loss"], grad_norm, skipped > 0)
-        allr = all_cat(
-            torch.stack([rewards, gens.completion_mask.sum(1).float(), *per_func.values()], 1)
-        )
-        # (world * B, 2 + F): total reward, completion length, each function
+        # (world * B, 2 + F), every rank's sequences: total reward, completion length, each function
+        lengths = gens.completion_mask.sum(1).float()  # (B,)
+        seq_stats = all_cat(torch.stack([rewards, lengths, *per_func.values()], 1))
         dt, mem_line = time.time() - t0, ledger.line()
         row = {
             "step": step + 1,
-            "reward": allr[:, 0].mean().item(),
-            "reward_std": allr[:, 0].std().item(),
-            "accuracy": (allr[:, 2:] >= 1).all(1).float().mean().item(),
+            "reward": seq_stats[:, 0].mean().item(),
+            "reward_std": seq_stats[:, 0].std().item(),
+            "accuracy": (seq_stats[:, 2:] >= 1).all(1).float().mean().item(),
             "loss": totals["loss"],
-            "completion_len": allr[:, 1].mean().item(),
-            "completion_len_max": allr[:, 1].max().item(),
+            "completion_len": seq_stats[:, 1].mean().item(),
+            "completion_len_max": seq_stats[:, 1].max().item(),
             **{
                 k: totals[k] / totals["tokens"]
                 for k in ("entropy", "ratio", "clip_low", "clip_high", "kl")
@@ -918,22 +912,21 @@ def main(argv=None):
             "grad_norm": grad_norm,
             "skipped_steps": guard.skipped,
             "lr": engine.get_lr()[0],
-            "tokens_per_s": allr[:, 1].sum().item() / dt,
+            "tokens_per_s": seq_stats[:, 1].sum().item() / dt,
             "step_s": dt,
             "rollout_s": t_rollout,
             "update_s": t_update,
             "elapsed_s": time.time() - t_start,
             **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
             **{
-                f"rewards/{name}/{stat}": getattr(allr[:, 2 + j], stat)().item()
+                f"rewards/{name}/{stat}": getattr(seq_stats[:, 2 + j], stat)().item()
                 for j, name in enumerate(per_func)
                 for stat in ("mean", "std")
             },
         }
-        if (
-            args.vllm_importance_cap > 0
-        ):  # how far vLLM's log-probs are from the trainer's (1 = identical)
-            row["vllm_is_ratio"] = sums_is[0] / sums_is[1]
+        # how far vLLM's log-probs are from the trainer's (1 = identical)
+        if args.vllm_importance_cap > 0:
+            row["vllm_is_ratio"] = is_ratio_sums[0] / is_ratio_sums[1]
         log.record(row)
         bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}")
         if rank == 0:
@@ -953,13 +946,11 @@ def main(argv=None):
         ):
             held_out(step + 1, f"step {step + 1}")
         saved = None
-        if (
-            args.save_steps and (step + 1) % args.save_steps == 0
-        ):  # after this step's rows: resume logs none twice
+        # after this step's rows: resume logs none twice
+        if args.save_steps and (step + 1) % args.save_steps == 0:
             saved = save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
-        if (
-            signum := stop.requested()
-        ):  # SIGTERM or Ctrl-C on any rank: this step is done; keep it, stop
+        # SIGTERM or Ctrl-C on any rank: this step is done; keep it, stop
+        if signum := stop.requested():
             saved = saved or save_checkpoint(
                 engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit
             )
@@ -968,16 +959,14 @@ def main(argv=None):
     bar.close()
     if args.num_eval_prompts:
         last = held_out(args.max_steps, "end")
-        since = (
-            f"resumed at step {start_step}" if args.resume else f"start {first:.3f}"
-        )  # start: in metrics.jsonl
+        # start: in metrics.jsonl
+        since = f"resumed at step {start_step}" if args.resume else f"start {first:.3f}"
         say(
             f"held-out reward: {since} -> end {last:.3f} in {time.time() - t_start:.0f}s "
             f"({args.max_steps - start_step} steps)"
         )
-    mem = (
-        ledger.summary()
-    )  # rank 0's peaks; the highest phase is where to look first when memory runs out
+    # rank 0's peaks; the highest phase is where to look first when memory runs out
+    mem = ledger.summary()
     say(mem["text"])
     log.record(
         {
@@ -988,9 +977,8 @@ def main(argv=None):
     )
     if args.save_model:
         save_hf(engine, tokenizer, os.path.join(args.run_dir, "final"))
-    right = (
-        ("kl", "KL to reference", "-") if args.beta > 0 else ("entropy", "entropy", "-")
-    )  # beta 0: no KL
+    # beta 0: no KL
+    right = ("kl", "KL to reference", "-") if args.beta > 0 else ("entropy", "entropy", "-")
     log.close(
         panels=[
             [("reward", "train reward", "-"), ("eval/reward", "held-out reward", "o-")],
@@ -998,9 +986,8 @@ def main(argv=None):
         ]
     )
     dist.barrier()
-    if (
-        vllm is None
-    ):  # vLLM's exit handler tears down its own groups and needs the default one alive
+    # vLLM's exit handler tears down its own groups and needs the default one alive
+    if vllm is None:
         dist.destroy_process_group()
 
 

@@ -452,9 +452,8 @@ def model_logps(
     K = logits_to_keep
     targets = input_ids[:, -K:]  # (B, K)
 
-    def fused_forward(
-        hidden_states,
-    ):  # (B, K + 1, H) when the model honours logits_to_keep, else (B, T, H)
+    # (B, K + 1, H) when the model honours logits_to_keep, else (B, T, H)
+    def fused_forward(hidden_states):
         h = hidden_states[:, -K - 1 : -1]  # (B, K, H) position t predicts token t + 1
         out = fused_logps(
             h,

@@ -214,6 +214,7 @@ def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
 
 
 # ---- Configuration -------------------------------------------------------------------------------
+# Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
 @dataclass
 class Args:
     model: str = field(
@@ -601,6 +602,71 @@ def build_critic(path, from_reward_model, dtype, attn_implementation):
     return Critic(body, head)
 
 
+def add_lora(model, critic, args):
+    """LoRA adapters (peft) on the actor and on the critic's body (the value head stays fully
+    trained); returns the actor, the critic is changed in place."""
+    from peft import LoraConfig, get_peft_model  # optional: only LoRA runs need peft
+
+    def lora(task):
+        return LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            task_type=task,
+            target_modules=args.lora_target_modules,
+        )
+
+    # frozen embeddings: checkpointed layers still need a grad input
+    if args.gradient_checkpointing:
+        model.enable_input_require_grads()
+        critic.body.enable_input_require_grads()
+    model = get_peft_model(model, lora("CAUSAL_LM"))
+    critic.body = get_peft_model(critic.body, lora("FEATURE_EXTRACTION"))
+    return model
+
+
+def trained_engine(module, ds_config):
+    """A DeepSpeed training engine over the module's trainable parameters (all, or LoRA's)."""
+    engine, *_ = deepspeed.initialize(
+        model=module,
+        config=ds_config,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+    )
+    return engine
+
+
+def frozen_model(module, ds_config, stage, offload, device):
+    """A frozen model (reference, reward): sharded like the trained models under ZeRO-3 (the
+    module of a ZeRO-3 inference engine, its shards in CPU memory with offload), else resident on
+    the device."""
+    if stage == 3:
+        return frozen_engine(module, ds_config, offload=offload).module
+    return module.to(device).eval().requires_grad_(False)
+
+
+def rollout_scorers(actor, critic, ref, args, device):
+    """{name: fn(micro-batch) -> (b, c)} for rollout_forwards: the actor's old log-probs, the
+    critic's values and, with kl_coef > 0, the reference log-probs (the frozen reference, or the
+    actor itself with its LoRA adapters switched off)."""
+
+    def logps(model, mb):
+        kw = dict(chunk_size=args.logprob_chunk_size)
+        return forward_logps(model, mb, args.temperature, args.packing, device, **kw)
+
+    def ref_logps(mb):
+        if ref is not None:
+            return logps(ref, mb)
+        with actor.module.disable_adapter():
+            return logps(actor.module, mb)
+
+    scorers = {
+        "old_logps": lambda mb: logps(actor.module, mb),
+        "values": lambda mb: forward_values(critic.module, mb, args.packing, device),
+    }
+    if args.kl_coef > 0:
+        scorers["ref_logps"] = ref_logps
+    return scorers
+
+
 def forward_logps(model, mb, temperature, packing, device, return_entropy=False, chunk_size=0):
     """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed.
     chunk_size: tokens per fused log-prob tile (0: logprobs.py's default)."""
@@ -694,9 +760,8 @@ def train_on_batch(actor, critic, batch, plan, args, device):
                 )  # (b, c)
                 old_logps, advantages = mb["old_logps"].to(device), mb["advantages"].to(device)
                 pl, pm = policy_loss(logps, old_logps, advantages, mask, args.cliprange, normalizer)
-                actor.backward(
-                    pl * weight * world, scale_wrt_gas=False
-                )  # weight 0: a padding repeat
+                # weight 0: a padding repeat
+                actor.backward(pl * weight * world, scale_wrt_gas=False)
                 critic.set_gradient_accumulation_boundary(boundary)
                 values = forward_values(critic, mb, args.packing, device)  # (b, c)
                 old_values, returns = mb["values"].to(device), mb["returns"].to(device)
@@ -727,6 +792,7 @@ def train_on_batch(actor, critic, batch, plan, args, device):
 
 
 # ---- Evaluation ----------------------------------------------------------------------------------
+# Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
 def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
     """Held-out mean score and accuracy (0 with a reward model): one sampled completion per
     prompt."""
@@ -758,6 +824,7 @@ def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
 
 
 # ---- The loop ------------------------------------------------------------------------------------
+# Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
 def main(argv=None):
     args = parse_args(argv)
     if args.preflight:  # run.sh: once, in one process, before torchrun starts the ranks
@@ -779,59 +846,25 @@ def main(argv=None):
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         critic.body.gradient_checkpointing_enable()
-    if args.lora_r:  # adapters on actor and critic body; the value head stays fully trained
-        from peft import LoraConfig, get_peft_model  # optional: only LoRA runs need peft
-
-        def lora(task):
-            return LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
-                task_type=task,
-                target_modules=args.lora_target_modules,
-            )
-
-        if (
-            args.gradient_checkpointing
-        ):  # frozen embeddings: checkpointed layers still need a grad input
-            model.enable_input_require_grads()
-            critic.body.enable_input_require_grads()
-        model = get_peft_model(model, lora("CAUSAL_LM"))
-        critic.body = get_peft_model(critic.body, lora("FEATURE_EXTRACTION"))
-
-    def ds_config(lr):  # one config per trained model: only the learning rate differs
-        return deepspeed_config(args, world, model.config.hidden_size, dtype, lr)
-
-    def trained(module, lr):
-        engine, *_ = deepspeed.initialize(
-            model=module,
-            config=ds_config(lr),
-            model_parameters=[p for p in module.parameters() if p.requires_grad],
-        )
-        return engine
-
-    def frozen(module):  # sharded like the trained models under ZeRO-3, else resident on the device
-        return (
-            frozen_engine(module, ds_config(0.0), offload=args.frozen_offload).module
-            if stage == 3
-            else module.to(device).eval().requires_grad_(False)
-        )
-
-    engine, critic_engine = (
-        trained(model, args.learning_rate),
-        trained(critic, args.critic_learning_rate),
+    if args.lora_r:
+        model = add_lora(model, critic, args)
+    hidden = model.config.hidden_size  # one DeepSpeed config per model: only the LR differs
+    engine = trained_engine(model, deepspeed_config(args, world, hidden, dtype, args.learning_rate))
+    critic_engine = trained_engine(
+        critic, deepspeed_config(args, world, hidden, dtype, args.critic_learning_rate)
     )
+    frozen_ds = deepspeed_config(args, world, hidden, dtype, 0.0)
     ref = None
-    if (
-        args.kl_coef > 0 and not args.lora_r
-    ):  # with LoRA the reference is the actor with adapters off
-        ref = frozen(AutoModelForCausalLM.from_pretrained(model_path, **attn))
+    # with LoRA the reference is the actor with adapters off
+    if args.kl_coef > 0 and not args.lora_r:
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
+        ref = frozen_model(ref_model, frozen_ds, stage, args.frozen_offload, device)
     reward_model = None
     if args.reward_model:
-        reward_model = frozen(
-            AutoModelForSequenceClassification.from_pretrained(
-                args.reward_model, num_labels=1, **attn
-            )
+        rm = AutoModelForSequenceClassification.from_pretrained(
+            args.reward_model, num_labels=1, **attn
         )
+        reward_model = frozen_model(rm, frozen_ds, stage, args.frozen_offload, device)
 
     start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
     # one sub-dir each in checkpoints/step<N>/ (checkpoint.py)
@@ -848,7 +881,10 @@ def main(argv=None):
         rank,
         args.report_to,
         resume_step=start_step if args.resume else None,  # drop rows the killed run wrote after it
-        extra={"world_size": world, "ds_config_resolved": ds_config(args.learning_rate)},
+        extra={
+            "world_size": world,
+            "ds_config_resolved": deepspeed_config(args, world, hidden, dtype, args.learning_rate),
+        },
     )
 
     def held_out(step, when):
@@ -862,36 +898,7 @@ def main(argv=None):
         log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
-    def ref_logps(
-        mb,
-    ):  # the frozen reference, or the actor itself with its LoRA adapters switched off
-        if ref is not None:
-            return forward_logps(
-                ref, mb, args.temperature, args.packing, device, chunk_size=args.logprob_chunk_size
-            )
-        with engine.module.disable_adapter():
-            return forward_logps(
-                engine.module,
-                mb,
-                args.temperature,
-                args.packing,
-                device,
-                chunk_size=args.logprob_chunk_size,
-            )
-
-    scorers = {
-        "old_logps": lambda mb: forward_logps(
-            engine.module,
-            mb,
-            args.temperature,
-            args.packing,
-            device,
-            chunk_size=args.logprob_chunk_size,
-        ),
-        "values": lambda mb: forward_values(critic_engine.module, mb, args.packing, device),
-    }
-    if args.kl_coef > 0:
-        scorers["ref_logps"] = ref_logps
+    scorers = rollout_scorers(engine, critic_engine, ref, args, device)  # no grad, per micro-batch
 
     t_start = time.time()
     first = float("nan")  # on resume the first held-out score is already in metrics.jsonl
@@ -960,13 +967,13 @@ def main(argv=None):
                 (batch["returns"] * mask).sum().item(),
             ]
         )
-        allr = all_cat(torch.stack([scores, mask.sum(1).float(), *per_func.values()], 1))
-        # (world * B, 2 + F): score, completion length, each function
+        # (world * B, 2 + F), every rank's sequences: score, completion length, each function
+        seq_stats = all_cat(torch.stack([scores, mask.sum(1).float(), *per_func.values()], 1))
         dt = time.time() - t0
         row = {
             "step": step + 1,
-            "reward": allr[:, 0].mean().item(),
-            "reward_std": allr[:, 0].std().item(),
+            "reward": seq_stats[:, 0].mean().item(),
+            "reward_std": seq_stats[:, 0].std().item(),
             "kl": rollout[0] / rollout[1],
             "value_mean": rollout[2] / rollout[1],
             "return_mean": rollout[3] / rollout[1],
@@ -976,23 +983,23 @@ def main(argv=None):
                 k: totals[k] / totals["tokens"]
                 for k in ("entropy", "ratio", "approx_kl", "clip", "vf_clip")
             },
-            "completion_len": allr[:, 1].mean().item(),
+            "completion_len": seq_stats[:, 1].mean().item(),
             "lr": engine.get_lr()[0],
             "grad_norm_max": norms,
             "skipped_steps": guard.skipped,
-            "tokens_per_s": allr[:, 1].sum().item() / dt,
+            "tokens_per_s": seq_stats[:, 1].sum().item() / dt,
             "step_s": dt,
             "rollout_s": t_rollout,
             "update_s": t_update,
             "elapsed_s": time.time() - t_start,
             **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
             **{
-                f"rewards/{name}/mean": allr[:, 2 + j].mean().item()
+                f"rewards/{name}/mean": seq_stats[:, 2 + j].mean().item()
                 for j, name in enumerate(per_func)
             },
         }
         if per_func:
-            row["accuracy"] = (allr[:, 2:] >= 1).all(1).float().mean().item()
+            row["accuracy"] = (seq_stats[:, 2:] >= 1).all(1).float().mean().item()
         log.record(row)
         bar.set_postfix(reward=f"{row['reward']:.3f}", vf=f"{row['value_loss']:.3f}")
         if rank == 0:
@@ -1010,13 +1017,11 @@ def main(argv=None):
         ):
             held_out(step + 1, f"step {step + 1}")
         saved = None
-        if (
-            args.save_steps and (step + 1) % args.save_steps == 0
-        ):  # after this step's rows: resume logs none twice
+        # after this step's rows: resume logs none twice
+        if args.save_steps and (step + 1) % args.save_steps == 0:
             saved = save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
-        if (
-            signum := stop.requested()
-        ):  # SIGTERM or Ctrl-C on any rank: this step is done; keep it, stop
+        # SIGTERM or Ctrl-C on any rank: this step is done; keep it, stop
+        if signum := stop.requested():
             saved = saved or save_checkpoint(
                 engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit
             )

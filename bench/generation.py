@@ -183,11 +183,8 @@ def main():
     for name, kw in hf_modes:
         with unwrap_for_generation(engine, **kw) as m:
             generate_hf(m, prompts[:2], max_new_tokens=2, greedy=True)  # warm-up
-        with (
-            PeakRSS() as rss,
-            unwrap_for_generation(engine, **kw) as m,
-            PeakParams(m) as pp,
-        ):  # gather included
+        # gather included
+        with PeakRSS() as rss, unwrap_for_generation(engine, **kw) as m, PeakParams(m) as pp:
             out, sec = timed(
                 lambda: generate_hf(
                     m,

@@ -74,9 +74,8 @@ def build_model(shape, dtype, out):
     )
     torch.manual_seed(0)
     t = time.time()
-    with torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu"
-    ):  # initialising on the GPU is minutes faster
+    # initialising on the GPU is minutes faster
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(path, max_shard_size="4GB")
     n = sum(p.numel() for p in model.parameters())

@@ -307,9 +307,8 @@ def test_step_guard_counts_skips_and_stops_after_a_few_in_a_row():
     with pytest.raises(RunError, match="3 steps in a row") as e:
         guard.update(5, float("nan"), float("nan"), skipped=True)
     assert e.value.exit_code == EXIT_DIVERGED
-    with pytest.raises(
-        RunError, match="applied the update anyway"
-    ):  # never go on with possibly-NaN weights
+    # never go on with possibly-NaN weights
+    with pytest.raises(RunError, match="applied the update anyway"):
         StepGuard().update(1, float("nan"), 1.0, skipped=False)
 
 

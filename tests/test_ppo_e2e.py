@@ -73,13 +73,8 @@ def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
     assert [r["step"] for r in resumed] == [3]
     for key in ("reward", "accuracy", "completion_len", "rewards/correct_reward/mean"):
         assert resumed[0][key] == full[2][key], key  # same prompts, same samples
-    for key in (
-        "entropy",
-        "kl",
-        "value_mean",
-        "value_loss",
-        "policy_loss",
-    ):  # same actor, critic, optimizers
+    # same actor, critic, optimizers
+    for key in ("entropy", "kl", "value_mean", "value_loss", "policy_loss"):
         assert resumed[0][key] == pytest.approx(full[2][key], rel=1e-5, abs=1e-7), key
     assert abs(resumed[0]["value_mean"] - full[0]["value_mean"]) > 1e-4  # not an untrained critic
 

@@ -87,9 +87,8 @@ def test_load_jsonl_split_and_bad_input(tmp_path):
     with pytest.raises(ValueError, match='bad.jsonl line 2 has no string "prompt"'):
         load_jsonl(bad, 0, 0)
     bad.write_text('{"prompt": "1=", "answer": "1"}\n\n{"prompt": "2=", "answer": 2\n')
-    with pytest.raises(
-        ValueError, match="bad.jsonl line 3 is not valid JSON"
-    ):  # blank lines still count
+    # blank lines still count
+    with pytest.raises(ValueError, match="bad.jsonl line 3 is not valid JSON"):
         load_jsonl(bad, 0, 0)
     bad.write_text("\n")
     with pytest.raises(ValueError, match="has no rows"):
