@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import traceback
 
@@ -48,7 +49,14 @@ def task_model(model, run_dir, rank, seed):
         return model
     path = os.path.join(run_dir, "model")
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
-        build_tiny(path, hidden_size=128, num_layers=2, chars=TASK_CHARS, seed=seed)
+        # built aside, then renamed into place: config.json never shows before the weights, even
+        # when two nodes' pre-flights (run.sh, one process per node) build it in a shared run_dir
+        tmp = f"{path}.tmp-{os.getpid()}"
+        build_tiny(tmp, hidden_size=128, num_layers=2, chars=TASK_CHARS, seed=seed)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process renamed the same model into place first
+            shutil.rmtree(tmp)
     if dist.is_initialized():
         dist.barrier()
     return path

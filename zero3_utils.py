@@ -162,7 +162,10 @@ def _ds_remove_hooks_of(offload, modules):
     for p in offload.module.parameters():
         p.ds_active_sub_modules.clear()
     dicts = {id(d) for m in modules for d in (m._forward_pre_hooks, m._forward_hooks)}
-    ours = lambda h: h.hooks_dict_ref() is not None and id(h.hooks_dict_ref()) in dicts  # noqa: E731
+
+    def ours(h):  # a handle registered on one of `modules`
+        return h.hooks_dict_ref() is not None and id(h.hooks_dict_ref()) in dicts
+
     for h in offload.forward_hooks + offload.backward_hooks:
         if ours(h):
             h.remove()
