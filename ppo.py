@@ -2,7 +2,7 @@
 
 Launch (see run.sh, which wires this through torchrun and a DeepSpeed JSON):
 
-    bash run.sh ppo                               # default task: tiny actor + tiny critic, 2 CPU procs, ZeRO-3
+    bash run.sh ppo                               # default task: tiny actor and critic, ZeRO-3
     bash run.sh ppo --max_steps 2 --packing True  # extra args go to Args below
     bash run.sh ppo --reward_model path/to/rm     # a sequence-classification reward model (1 label)
     python -m torch.distributed.run --nproc_per_node 2 ppo.py --ds_config configs/zero3.json ...
@@ -30,7 +30,8 @@ Departures from the paper (InstructGPT / "Fine-Tuning LMs from Human Preferences
 - Value of completion token t = the critic at the position that predicts it (the state before t);
   after the last token the value is 0 (the episode ends).
 - Loss sums are divided by the WHOLE mini-batch's token count (all micro-batches, all ranks), so
-  the update does not depend on how it is split into micro-batches (DESIGN.md problem 4).
+  the update does not depend on how it is split into micro-batches (README, "Why whole groups
+  stay on one rank").
 - Packing (`--packing`) concatenates a micro-batch's sequences into one row with position ids
   restarting per sequence; transformers turns that into a block-diagonal causal mask (SDPA, eager)
   or variable-length kernels (flash attention), so no token attends across sequences.
@@ -49,31 +50,70 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import deepspeed
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from batching import (all_cat, all_sum, comm_device, encode_prompts, init_distributed, make_batch, micro_slice, pack,
-                      plan_micro_batches, unpack)
-from checks import (RunError, StepGuard, check_ds_config, check_global_batch, check_inputs,
-                    check_model_path, check_sequence_classifier, entry_code, exit_process,
-                    load_tokenizer, parse_args_quietly)
-from checkpoint import (Stopped, StopOnSignal, check_new_run, check_resume, clear_run, latest_checkpoint,
-                        load_checkpoint, run_config, save_checkpoint)
-from logprobs import model_logps, positions_from_mask
+from batching import (
+    all_cat,
+    all_sum,
+    comm_device,
+    encode_prompts,
+    init_distributed,
+    make_batch,
+    micro_batches,
+    pack,
+    plan_micro_batches,
+    unpack,
+)
+from checkpoint import (
+    StopOnSignal,
+    Stopped,
+    check_new_run,
+    check_resume,
+    clear_run,
+    latest_checkpoint,
+    load_checkpoint,
+    run_config,
+    save_checkpoint,
+)
+from checks import (
+    RunError,
+    StepGuard,
+    check_ds_config,
+    check_global_batch,
+    check_inputs,
+    check_model_path,
+    check_sequence_classifier,
+    entry_code,
+    exit_process,
+    load_tokenizer,
+    parse_args_quietly,
+)
+from generation import generate_hf, unwrap_for_generation
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import RewardError, batch_rows, reward_functions, score_completions
+from zero3_utils import frozen_engine, gathered, load_ds_config, save_hf
 
-OOM_HINTS = {  # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting memory)
-    "rollout": "lower --generation_batch_size, or --gather_for_generation False (layer by layer), or a shorter "
-               "--max_completion_length",
-    "logprobs": "lower --micro_train_batch_size or --logprob_chunk_size (tokens per log-prob tile); "
-                "--frozen_offload True keeps the reference and reward shards in CPU memory; --packing True",
-    "update": "--gradient_checkpointing True, lower --micro_train_batch_size or --logprob_chunk_size, --packing True; "
-              "for the optimizer states: configs/zero3_offload.json, --lora_r 16",
+# phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
+# memory)
+OOM_HINTS = {
+    "rollout": "lower --generation_batch_size, or --gather_for_generation False (layer by layer), "
+    "or a shorter --max_completion_length",
+    "logprobs": "lower --micro_train_batch_size or --logprob_chunk_size (tokens per log-prob "
+    "tile); --frozen_offload True keeps the reference and reward shards in CPU memory; "
+    "--packing True",
+    "update": "--gradient_checkpointing True, lower --micro_train_batch_size or "
+    "--logprob_chunk_size, --packing True; for the optimizer states: "
+    "configs/zero3_offload.json, --lora_r 16",
 }
 
 
-# ---- The algorithm: rewards, advantages and losses (pure functions, unit-tested against naive loops) ----
+# ---- The algorithm: rewards, advantages, losses (pure functions, tested against naive loops) ---
 def token_rewards(logps, ref_logps, mask, scores, kl_coef):
     """Per-token reward (B, C): -kl_coef * (logp - ref_logp) at every completion token, plus the
     sequence's score at its last one. logps, ref_logps (B, C) (ref None: no KL); mask (B, C), 1 on
@@ -82,7 +122,8 @@ def token_rewards(logps, ref_logps, mask, scores, kl_coef):
     kl = (logps - ref_logps) * mask if ref_logps is not None else torch.zeros_like(logps)  # (B, C)
     rewards = -kl_coef * kl  # (B, C)
     last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) index of the last completion token
-    rewards[torch.arange(len(scores)), last] += scores.to(rewards.dtype) * (mask.sum(1) > 0)  # (B, C)
+    # (B, C)
+    rewards[torch.arange(len(scores)), last] += scores.to(rewards.dtype) * (mask.sum(1) > 0)
     return rewards, kl
 
 
@@ -101,7 +142,8 @@ def gae(rewards, values, mask, gamma, lam):
         m = mask[:, t]  # (B,)
         delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
         gae_t = delta + gamma * lam * last_gae  # (B,)
-        last_gae = torch.where(m > 0, gae_t, last_gae)  # (B,) masked steps leave the recursion untouched
+        # (B,) masked steps leave the recursion untouched
+        last_gae = torch.where(m > 0, gae_t, last_gae)
         next_value = torch.where(m > 0, values[:, t], next_value)  # (B,)
         advantages[:, t] = gae_t * m
     return advantages, (advantages + values) * mask
@@ -110,14 +152,15 @@ def gae(rewards, values, mask, gamma, lam):
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     """(x - mean) / std over the entries where mask is 1, mean and (unbiased) variance pooled over
     all ranks when torch.distributed is initialised. x, mask (B, C) -> (B, C), 0 where mask is 0."""
-    import torch.distributed as dist
     reduce = dist.all_reduce if dist.is_initialized() else (lambda t: t)
     m = mask.to(torch.float64)  # (B, C)
     xd = x.to(torch.float64)  # (B, C)
     sums = torch.stack([(xd * m).sum(), m.sum()])  # (2,)
     reduce(sums)
     if sums[1] < 2:
-        raise ValueError(f"masked_whiten needs at least 2 unmasked entries over all ranks, got {int(sums[1])}")
+        raise ValueError(
+            f"masked_whiten needs at least 2 unmasked entries over all ranks, got {int(sums[1])}"
+        )
     mean = sums[0] / sums[1]
     sq = ((xd - mean) ** 2 * m).sum()
     reduce(sq)
@@ -132,7 +175,8 @@ def policy_loss(logps, old_logps, advantages, mask, clip_eps, normalizer):
     """Clipped surrogate: sum of max(-A r, -A clip(r, 1 - eps, 1 + eps)) over tokens / normalizer.
 
     logps (B, C) with grad, old_logps and advantages (B, C), mask (B, C). normalizer: the WHOLE
-    mini-batch's token count (all micro-batches, all ranks). Returns (loss, token-level metric sums).
+    mini-batch's token count (all micro-batches, all ranks). Returns (loss, token-level metric
+    sums).
     """
     mask = mask.to(logps.dtype)  # (B, C)
     log_ratio = logps - old_logps  # (B, C)
@@ -141,8 +185,12 @@ def policy_loss(logps, old_logps, advantages, mask, clip_eps, normalizer):
     clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)  # (B, C)
     loss = (torch.max(unclipped, clipped) * mask).sum() / normalizer
     with torch.no_grad():
-        metrics = {"tokens": mask.sum(), "clip": ((clipped > unclipped) * mask).sum(),
-                   "ratio": (ratio * mask).sum(), "approx_kl": ((ratio - 1 - log_ratio) * mask).sum()}
+        metrics = {
+            "tokens": mask.sum(),
+            "clip": ((clipped > unclipped) * mask).sum(),
+            "ratio": (ratio * mask).sum(),
+            "approx_kl": ((ratio - 1 - log_ratio) * mask).sum(),
+        }
     return loss, metrics
 
 
@@ -152,108 +200,220 @@ def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
     values (B, C) with grad; old_values, returns, mask (B, C). Returns (loss, metric sums).
     """
     mask = mask.to(values.dtype)  # (B, C)
-    v_clipped = old_values + (values - old_values).clamp(-clip_range_value, clip_range_value)  # (B, C)
+    # (B, C)
+    v_clipped = old_values + (values - old_values).clamp(-clip_range_value, clip_range_value)
     loss_unclipped = (values - returns) ** 2  # (B, C)
     loss_clipped = (v_clipped - returns) ** 2  # (B, C)
     loss = 0.5 * (torch.max(loss_unclipped, loss_clipped) * mask).sum() / normalizer
     with torch.no_grad():
-        metrics = {"vf_clip": ((loss_clipped > loss_unclipped) * mask).sum(), "value": (values * mask).sum()}
+        metrics = {
+            "vf_clip": ((loss_clipped > loss_unclipped) * mask).sum(),
+            "value": (values * mask).sum(),
+        }
     return loss, metrics
 
 
 # ---- Configuration -------------------------------------------------------------------------------
+# Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
 @dataclass
 class Args:
-    model: str = field(default="", metadata={"help": "actor hub id or path; empty: tiny model from scratch"})
-    data: str = field(default="", metadata={"help": "JSONL of {prompt, answer}; empty: the largest-digit task"})
-    reward_model: str = field(default="", metadata={"help": "sequence-classification reward model (1 label, the "
-                                                            "actor's tokenizer); empty: rule-based reward_funcs"})
-    reward_funcs: str = field(default="", metadata={"help": "module:function,... each (prompts, completions, "
-                                                            "answers) -> list[float]; empty: the task's own"})
-    reward_weights: str = field(default="", metadata={"help": "one weight per reward; empty: 0.25,0.75 (task) or 1s"})
-    run_dir: str = field(default="runs/ppo", metadata={"help": "metrics.jsonl, args, checkpoints, final model"})
-    ds_config: str = field(default="configs/zero3.json", metadata={"help": "DeepSpeed JSON for actor and critic"})
-    seed: int = field(default=0, metadata={
-        "help": "data order, sampling and (default task) model init", "range": ">= 0"})
+    model: str = field(
+        default="", metadata={"help": "actor hub id or path; empty: tiny model from scratch"}
+    )
+    data: str = field(
+        default="", metadata={"help": "JSONL of {prompt, answer}; empty: the largest-digit task"}
+    )
+    reward_model: str = field(
+        default="",
+        metadata={
+            "help": "sequence-classification reward model (1 label, the "
+            "actor's tokenizer); empty: rule-based reward_funcs"
+        },
+    )
+    reward_funcs: str = field(
+        default="",
+        metadata={
+            "help": "module:function,... each (prompts, completions, "
+            "answers) -> list[float]; empty: the task's own"
+        },
+    )
+    reward_weights: str = field(
+        default="", metadata={"help": "one weight per reward; empty: 0.25,0.75 (task) or 1s"}
+    )
+    run_dir: str = field(
+        default="runs/ppo", metadata={"help": "metrics.jsonl, args, checkpoints, final model"}
+    )
+    ds_config: str = field(
+        default="configs/zero3.json", metadata={"help": "DeepSpeed JSON for actor and critic"}
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "data order, sampling and (default task) model init", "range": ">= 0"},
+    )
     # rollout
-    prompts_per_rank: int = field(default=32, metadata={
-        "help": "prompts per rank per step", "range": ">= 1"})
-    num_generations: int = field(default=4, metadata={
-        "help": "completions per prompt", "range": ">= 1"})
-    max_prompt_length: int = field(default=512, metadata={
-        "help": "prompt tokens kept (from the left end)", "range": ">= 1"})
-    max_completion_length: int = field(default=2, metadata={
-        "help": "C: new tokens per completion", "range": ">= 1"})
-    temperature: float = field(default=1.0, metadata={
-        "help": "sampling temperature (log-probs use it too)", "range": "> 0"})
+    prompts_per_rank: int = field(
+        default=32, metadata={"help": "prompts per rank per step", "range": ">= 1"}
+    )
+    num_generations: int = field(
+        default=4, metadata={"help": "completions per prompt", "range": ">= 1"}
+    )
+    max_prompt_length: int = field(
+        default=512, metadata={"help": "prompt tokens kept (from the left end)", "range": ">= 1"}
+    )
+    max_completion_length: int = field(
+        default=2, metadata={"help": "C: new tokens per completion", "range": ">= 1"}
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "sampling temperature (log-probs use it too)", "range": "> 0"},
+    )
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling", "range": "(0, 1]"})
-    gather_for_generation: bool = field(default=True, metadata={"help": "ZeRO-3: gather to generate (fast); "
-                                                                        "False: sharded, layer by layer (fits)"})
-    generation_batch_size: int = field(default=256, metadata={
-        "help": "HF generate: sequences per call", "range": ">= 1"})
+    gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "ZeRO-3: gather to generate (fast); False: sharded, layer by layer (fits)"
+        },
+    )
+    generation_batch_size: int = field(
+        default=256, metadata={"help": "HF generate: sequences per call", "range": ">= 1"}
+    )
     # rewards, advantages, losses and the update
-    kl_coef: float = field(default=0.01, metadata={
-        "help": "per-token KL penalty in the reward; 0 builds no reference model", "range": ">= 0"})
+    kl_coef: float = field(
+        default=0.01,
+        metadata={
+            "help": "per-token KL penalty in the reward; 0 builds no reference model",
+            "range": ">= 0",
+        },
+    )
     gamma: float = field(default=1.0, metadata={"help": "discount", "range": "[0, 1]"})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda", "range": "[0, 1]"})
-    cliprange: float = field(default=0.2, metadata={
-        "help": "policy ratio clipped to [1 - c, 1 + c]", "range": "(0, 1)"})
-    cliprange_value: float = field(default=0.2, metadata={
-        "help": "value clipped to old value +- this", "range": "> 0"})
-    ppo_epochs: int = field(default=2, metadata={
-        "help": "passes over each rollout batch", "range": ">= 1"})
-    num_mini_batches: int = field(default=1, metadata={
-        "help": "optimizer steps per pass (per model)", "range": ">= 1"})
-    learning_rate: float = field(default=2e-3, metadata={
-        "help": "actor LR (from scratch; ~1e-6 pretrained)", "range": "> 0"})
-    critic_learning_rate: float = field(default=2e-3, metadata={
-        "help": "critic LR (~9e-6 pretrained)", "range": "> 0"})
-    weight_decay: float = field(default=0.0, metadata={
-        "help": "AdamW weight decay", "range": ">= 0"})
-    max_grad_norm: float = field(default=1.0, metadata={
-        "help": "gradient clipping", "range": ">= 0"})
-    max_bad_steps: int = field(default=3, metadata={
-        "help": "stop after this many steps in a row skipped for non-finite loss or gradients",
-        "range": ">= 1"})
-    micro_train_batch_size: int = field(default=64, metadata={
-        "help": "sequences per micro-batch (forward/backward)", "range": ">= 1"})
+    cliprange: float = field(
+        default=0.2, metadata={"help": "policy ratio clipped to [1 - c, 1 + c]", "range": "(0, 1)"}
+    )
+    cliprange_value: float = field(
+        default=0.2, metadata={"help": "value clipped to old value +- this", "range": "> 0"}
+    )
+    ppo_epochs: int = field(
+        default=2, metadata={"help": "passes over each rollout batch", "range": ">= 1"}
+    )
+    num_mini_batches: int = field(
+        default=1, metadata={"help": "optimizer steps per pass (per model)", "range": ">= 1"}
+    )
+    learning_rate: float = field(
+        default=2e-3, metadata={"help": "actor LR (from scratch; ~1e-6 pretrained)", "range": "> 0"}
+    )
+    critic_learning_rate: float = field(
+        default=2e-3, metadata={"help": "critic LR (~9e-6 pretrained)", "range": "> 0"}
+    )
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "AdamW weight decay", "range": ">= 0"}
+    )
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "gradient clipping", "range": ">= 0"}
+    )
+    max_bad_steps: int = field(
+        default=3,
+        metadata={
+            "help": "stop after this many steps in a row skipped for non-finite loss or gradients",
+            "range": ">= 1",
+        },
+    )
+    micro_train_batch_size: int = field(
+        default=64,
+        metadata={"help": "sequences per micro-batch (forward/backward)", "range": ">= 1"},
+    )
     # memory
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in backward"})
-    logprob_chunk_size: int = field(default=0, metadata={
-        "help": "tokens per fused log-prob tile (x 4096 vocab columns, fp32); "
-                "0: logprobs.py's 2048", "range": ">= 0"})
-    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"})
-    frozen_offload: bool = field(default=False, metadata={"help": "ZeRO-3: reference and reward model shards "
-                                                                  "live in CPU memory"})
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "recompute activations in backward"}
+    )
+    logprob_chunk_size: int = field(
+        default=0,
+        metadata={
+            "help": f"tokens per fused log-prob tile (x {DEFAULT_VOCAB_CHUNK_SIZE} vocab columns, "
+            f"fp32); 0: logprobs.py's {DEFAULT_CHUNK_SIZE}",
+            "range": ">= 0",
+        },
+    )
+    attn_implementation: str = field(
+        default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"}
+    )
+    frozen_offload: bool = field(
+        default=False,
+        metadata={"help": "ZeRO-3: reference and reward model shards live in CPU memory"},
+    )
     packing: bool = field(default=False, metadata={"help": "micro-batches as one row, no padding"})
-    lora_r: int = field(default=0, metadata={
-        "help": "> 0: LoRA adapters of this rank on actor and critic (peft)", "range": ">= 0"})
-    lora_alpha: float = field(default=32.0, metadata={
-        "help": "LoRA scaling numerator", "range": "> 0"})
+    lora_r: int = field(
+        default=0,
+        metadata={
+            "help": "> 0: LoRA adapters of this rank on actor and critic (peft)",
+            "range": ">= 0",
+        },
+    )
+    lora_alpha: float = field(
+        default=32.0, metadata={"help": "LoRA scaling numerator", "range": "> 0"}
+    )
     lora_target_modules: str = field(default="all-linear", metadata={"help": "peft target_modules"})
-    dtype: str = field(default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"})
-    pad_token: str = field(default="", metadata={"help": "the pad token for a tokenizer that has none (its eos "
-                                                         "token is fine); empty: the tokenizer must have one"})
-    max_steps: int = field(default=60, metadata={
-        "help": "training steps (one rollout batch each)", "range": ">= 1"})
+    dtype: str = field(
+        default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"}
+    )
+    pad_token: str = field(
+        default="",
+        metadata={
+            "help": "the pad token for a tokenizer that has none (its eos "
+            "token is fine); empty: the tokenizer must have one"
+        },
+    )
+    max_steps: int = field(
+        default=60, metadata={"help": "training steps (one rollout batch each)", "range": ">= 1"}
+    )
     # evaluation, logging, saving
-    eval_steps: int = field(default=20, metadata={
-        "help": "held-out reward every this many steps (and at start/end)", "range": ">= 0"})
-    num_eval_prompts: int = field(default=200, metadata={
-        "help": "held-out prompts, one sample each; 0: no eval", "range": ">= 0"})
-    save_steps: int = field(default=0, metadata={
-        "help": "DeepSpeed checkpoints every this many steps; 0: none", "range": ">= 0"})
-    save_total_limit: int = field(default=0, metadata={
-        "help": "keep only this many newest checkpoints; 0: all", "range": ">= 0"})
-    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in run_dir (same "
-                                                          "config and world size; see checkpoint.py)"})
-    overwrite: bool = field(default=False, metadata={"help": "a new run in a run_dir that holds an earlier "
-                                                             "run's checkpoints or metrics: delete them first"})
-    save_model: bool = field(default=True, metadata={"help": "write the final HF actor to <run_dir>/final"})
-    report_to: str = field(default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"})
-    preflight: bool = field(default=False, metadata={"help": "check data, models, tokenizer, rewards, DeepSpeed "
-                                                             "JSON and resume (WORLD_SIZE from env), then exit; "
-                                                             "run.sh does this before torchrun"})
+    eval_steps: int = field(
+        default=20,
+        metadata={
+            "help": "held-out reward every this many steps (and at start/end)",
+            "range": ">= 0",
+        },
+    )
+    num_eval_prompts: int = field(
+        default=200,
+        metadata={"help": "held-out prompts, one sample each; 0: no eval", "range": ">= 0"},
+    )
+    save_steps: int = field(
+        default=0,
+        metadata={"help": "DeepSpeed checkpoints every this many steps; 0: none", "range": ">= 0"},
+    )
+    save_total_limit: int = field(
+        default=0,
+        metadata={"help": "keep only this many newest checkpoints; 0: all", "range": ">= 0"},
+    )
+    resume: bool = field(
+        default=False,
+        metadata={
+            "help": "continue from the latest checkpoint in run_dir (same "
+            "config and world size; see checkpoint.py)"
+        },
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata={
+            "help": "a new run in a run_dir that holds an earlier "
+            "run's checkpoints or metrics: delete them first"
+        },
+    )
+    save_model: bool = field(
+        default=True, metadata={"help": "write the final HF actor to <run_dir>/final"}
+    )
+    report_to: str = field(
+        default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"}
+    )
+    preflight: bool = field(
+        default=False,
+        metadata={
+            "help": "check data, models, tokenizer, rewards, DeepSpeed "
+            "JSON and resume (WORLD_SIZE from env), then exit; "
+            "run.sh does this before torchrun"
+        },
+    )
 
 
 def parse_args(argv=None):
@@ -273,10 +433,15 @@ def parse_args(argv=None):
         except ImportError:
             raise RunError("--lora_r needs peft: pip install peft") from None
     if args.reward_model and args.reward_weights:
-        raise RunError("--reward_weights weighs reward functions; a --reward_model's score has none")
+        raise RunError(
+            "--reward_weights weighs reward functions; a --reward_model's score has none"
+        )
     try:
-        args.funcs, args.weights = ([], []) if args.reward_model else \
-            reward_functions(args.reward_funcs, args.reward_weights, args.data)
+        args.funcs, args.weights = (
+            ([], [])
+            if args.reward_model
+            else reward_functions(args.reward_funcs, args.reward_weights, args.data)
+        )
     except ValueError as e:
         raise RunError(str(e)) from None
     args.batch_size = args.prompts_per_rank * args.num_generations  # completions per rank per step
@@ -285,60 +450,96 @@ def parse_args(argv=None):
 
 
 def deepspeed_config(args, world, hidden_size, dtype, lr):
-    """The DeepSpeed JSON for one trained model (only the learning rate differs) with its "auto" values
-    filled from the arguments (a concrete value that contradicts them: zero3_utils' ValueError)."""
-    from zero3_utils import load_ds_config
+    """The DeepSpeed JSON for one trained model (only the learning rate differs) with its "auto"
+    values filled from the arguments (a concrete value that contradicts them: zero3_utils'
+    ValueError)."""
     with open(args.ds_config) as f:
         raw = json.load(f)
     check_global_batch(raw, args.ds_config, world * args.num_mini_batches, args.num_generations)
-    fill = {"train_micro_batch_size_per_gpu": args.micro,
-            "gradient_accumulation_steps": math.ceil(args.batch_size / args.micro / args.num_mini_batches),
-            "gradient_clipping": args.max_grad_norm, "bf16.enabled": dtype == torch.bfloat16,
-            "optimizer.params.lr": lr, "optimizer.params.weight_decay": args.weight_decay}
-    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}  # only sections the JSON has
+    fill = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": math.ceil(
+            args.batch_size / args.micro / args.num_mini_batches
+        ),
+        "gradient_clipping": args.max_grad_norm,
+        "bf16.enabled": dtype == torch.bfloat16,
+        "optimizer.params.lr": lr,
+        "optimizer.params.weight_decay": args.weight_decay,
+    }
+    # only sections the JSON has
+    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}
     return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
 
 
-# Knobs that change memory, not the update (micro-batching never changes it: DESIGN.md problem 4), so a
-# run that ran out of memory can be resumed with one of them turned.
-MEMORY_KNOBS = ("micro_train_batch_size", "logprob_chunk_size", "gradient_checkpointing",
-                "generation_batch_size", "gather_for_generation", "frozen_offload", "max_bad_steps", "micro")
+# Knobs that change memory, not the update (micro-batching never changes it: README, "Why whole
+# groups stay on one rank"),
+# so a run that ran out of memory can be resumed with one of them turned.
+MEMORY_KNOBS = (
+    "micro_train_batch_size",
+    "logprob_chunk_size",
+    "gradient_checkpointing",
+    "generation_batch_size",
+    "gather_for_generation",
+    "frozen_offload",
+    "max_bad_steps",
+    "micro",
+)
 
 
 def preflight(args, rank, world):
-    """Every input checked before a model loads or a step runs; each failure a RunError saying what to
-    change. run.sh runs this once in one process first (--preflight True); each rank runs it again."""
-    check_new_run(args.run_dir, args.resume, args.overwrite)  # before anything is written to run_dir
-    train_rows, eval_rows, model_path, config, tokenizer = check_inputs(args, rank)  # data, model, rewards
+    """Every input checked before a model loads or a step runs; each failure a RunError saying what
+    to change. run.sh runs this once in one process first (--preflight True); each rank runs it
+    again."""
+    # before anything is written to run_dir
+    check_new_run(args.run_dir, args.resume, args.overwrite)
+    # data, model, rewards
+    train_rows, eval_rows, model_path, config, tokenizer = check_inputs(args, rank)
     if args.reward_model:
         rm_config = check_model_path(args.reward_model, "--reward_model")
         check_sequence_classifier(rm_config, args.reward_model)
         rm_tokenizer = load_tokenizer(args.reward_model, args.pad_token, need_eos=False)
         if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise RunError(f"--reward_model {args.reward_model} has another tokenizer than the actor; this loop "
-                           "passes token ids as they are: use a reward model trained on the actor's tokenizer")
+            raise RunError(
+                f"--reward_model {args.reward_model} has another tokenizer than the actor; this "
+                "loop "
+                "passes token ids as they are: use a reward model trained on the actor's tokenizer"
+            )
     cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
-    ds = check_ds_config(lambda: deepspeed_config(args, world, config.hidden_size, dtype, args.learning_rate),
-                         args.ds_config, f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} "
-                         f"completions in {args.num_mini_batches} optimizer step(s) per pass, micro-batches of "
-                         f"{args.micro}")
+    dtype = (
+        torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
+    )
+    ds = check_ds_config(
+        lambda: deepspeed_config(args, world, config.hidden_size, dtype, args.learning_rate),
+        args.ds_config,
+        f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} "
+        f"completions in {args.num_mini_batches} optimizer step(s) per pass, micro-batches of "
+        f"{args.micro}",
+    )
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if args.frozen_offload and stage != 3:
         raise RunError(f"--frozen_offload needs ZeRO-3 ({args.ds_config} has stage {stage})")
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
-        check_resume(os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS)
+        check_resume(
+            os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS
+        )
     return model_path, tokenizer, train_rows, eval_rows, dtype, stage
 
 
 # ---- Rollout: generate, score (batching.py encodes and pads, tasks.py has the rule rewards) ------
 def generate(engine, tokenizer, prompt_ids, args, num_generations):
     """G completions of each prompt, prompt-major, from the actor (HF generate)."""
-    from generation import generate_hf, unwrap_for_generation
     with unwrap_for_generation(engine, gather=args.gather_for_generation) as model:
-        return generate_hf(model, prompt_ids, num_generations=num_generations, batch_size=args.generation_batch_size,
-                           max_new_tokens=args.max_completion_length, temperature=args.temperature,
-                           top_p=args.top_p, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        return generate_hf(
+            model,
+            prompt_ids,
+            num_generations=num_generations,
+            batch_size=args.generation_batch_size,
+            max_new_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
 
 
 def score(args, rows, completions, num_generations, batch, plan, reward_model, device):
@@ -346,22 +547,29 @@ def score(args, rows, completions, num_generations, batch, plan, reward_model, d
     if reward_model is not None:
         out = torch.zeros(batch["input_ids"].shape[0])  # (B,)
         with torch.no_grad():
-            for idx in plan:  # the reward model reads the rightmost non-pad token (the EOS or the last one)
-                mb = micro_slice(batch, plan[0] if idx is None else idx)
+            # the reward model reads the rightmost non-pad token (the EOS or the last one)
+            for idx, mb, weight in micro_batches(batch, plan):
                 am = mb["attention_mask"].to(device)  # (b, t)
-                logits = reward_model(input_ids=mb["input_ids"].to(device), attention_mask=am,
-                                      position_ids=positions_from_mask(am), use_cache=False).logits  # (b, 1)
-                if idx is not None:
+                logits = reward_model(
+                    input_ids=mb["input_ids"].to(device),
+                    attention_mask=am,
+                    position_ids=positions_from_mask(am),
+                    use_cache=False,
+                ).logits  # (b, 1)
+                if weight:
                     out[idx] = logits[:, 0].float().cpu()
         if not torch.isfinite(out).all():
-            raise RewardError(f"--reward_model {args.reward_model} gave {int((~torch.isfinite(out)).sum())} non-finite "
-                              f"scores (first: {completions[int((~torch.isfinite(out)).nonzero()[0])]!r}); check the "
-                              f"model in fp32 (--dtype fp32) or its checkpoint")
+            bad = ~torch.isfinite(out)  # (B,)
+            raise RewardError(
+                f"--reward_model {args.reward_model} gave {int(bad.sum())} non-finite scores "
+                f"(first: {completions[int(bad.nonzero()[0])]!r}); check the model in fp32 "
+                "(--dtype fp32) or its checkpoint"
+            )
         return out, {}
     return score_completions(args.funcs, args.weights, rows, completions, num_generations)
 
 
-# ---- The critic, and the forwards that score a micro-batch (padded, or packed by batching.pack) -----
+# ---- The critic, and the forwards that score a micro-batch (padded, or packed by batching.pack) --
 class Critic(torch.nn.Module):
     """A causal LM's body + a scalar value head: forward -> (B, T) fp32 values, one per position."""
 
@@ -371,18 +579,22 @@ class Critic(torch.nn.Module):
         self.config = body.config
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False).last_hidden_state  # (B, T, H)
+        hidden = self.body(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state  # (B, T, H)
         return self.value_head(hidden).squeeze(-1).float()  # (B, T)
 
 
 def build_critic(path, from_reward_model, dtype, attn_implementation):
     """From a reward model: its body and its score head. From a causal LM: its body and a zero
     value head (values start at 0, the body's features are trained by the value loss)."""
-    from transformers import AutoModel, AutoModelForSequenceClassification
     if from_reward_model:
-        rm = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
-                                                                attn_implementation=attn_implementation)
+        rm = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
+        )
         return Critic(getattr(rm, rm.base_model_prefix), rm.score)
     body = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     head = torch.nn.Linear(body.config.hidden_size, 1, bias=False, dtype=dtype)
@@ -390,45 +602,125 @@ def build_critic(path, from_reward_model, dtype, attn_implementation):
     return Critic(body, head)
 
 
+def add_lora(model, critic, args):
+    """LoRA adapters (peft) on the actor and on the critic's body (the value head stays fully
+    trained); returns the actor, the critic is changed in place."""
+    from peft import LoraConfig, get_peft_model  # optional: only LoRA runs need peft
+
+    def lora(task):
+        return LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            task_type=task,
+            target_modules=args.lora_target_modules,
+        )
+
+    # frozen embeddings: checkpointed layers still need a grad input
+    if args.gradient_checkpointing:
+        model.enable_input_require_grads()
+        critic.body.enable_input_require_grads()
+    model = get_peft_model(model, lora("CAUSAL_LM"))
+    critic.body = get_peft_model(critic.body, lora("FEATURE_EXTRACTION"))
+    return model
+
+
+def trained_engine(module, ds_config):
+    """A DeepSpeed training engine over the module's trainable parameters (all, or LoRA's)."""
+    engine, *_ = deepspeed.initialize(
+        model=module,
+        config=ds_config,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+    )
+    return engine
+
+
+def frozen_model(module, ds_config, stage, offload, device):
+    """A frozen model (reference, reward): sharded like the trained models under ZeRO-3 (the
+    module of a ZeRO-3 inference engine, its shards in CPU memory with offload), else resident on
+    the device."""
+    if stage == 3:
+        return frozen_engine(module, ds_config, offload=offload).module
+    return module.to(device).eval().requires_grad_(False)
+
+
+def rollout_scorers(actor, critic, ref, args, device):
+    """{name: fn(micro-batch) -> (b, c)} for rollout_forwards: the actor's old log-probs, the
+    critic's values and, with kl_coef > 0, the reference log-probs (the frozen reference, or the
+    actor itself with its LoRA adapters switched off)."""
+
+    def logps(model, mb):
+        kw = dict(chunk_size=args.logprob_chunk_size)
+        return forward_logps(model, mb, args.temperature, args.packing, device, **kw)
+
+    def ref_logps(mb):
+        if ref is not None:
+            return logps(ref, mb)
+        with actor.module.disable_adapter():
+            return logps(actor.module, mb)
+
+    scorers = {
+        "old_logps": lambda mb: logps(actor.module, mb),
+        "values": lambda mb: forward_values(critic.module, mb, args.packing, device),
+    }
+    if args.kl_coef > 0:
+        scorers["ref_logps"] = ref_logps
+    return scorers
+
+
 def forward_logps(model, mb, temperature, packing, device, return_entropy=False, chunk_size=0):
     """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed.
-    chunk_size > 0: tokens per fused log-prob tile (logprobs.py's default otherwise)."""
-    kw = dict(temperature=temperature, return_entropy=return_entropy, **({"chunk_size": chunk_size} if chunk_size else {}))
+    chunk_size: tokens per fused log-prob tile (0: logprobs.py's default)."""
+    kw = dict(temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size)
     if not packing:
-        return model_logps(model, mb["input_ids"].to(device), mb["attention_mask"].to(device), mb["logits_to_keep"],
-                           **kw)  # (b, c)
+        return model_logps(
+            model,
+            mb["input_ids"].to(device),
+            mb["attention_mask"].to(device),
+            mb["logits_to_keep"],
+            **kw,
+        )  # (b, c)
     ids, pos, where = pack(mb)  # (1, N), (1, N), (M,)
-    out = model_logps(model, ids.to(device), None, ids.shape[1] - 1, position_ids=pos.to(device),
-                      **kw)  # (1, N - 1): token j + 1 at j
+    out = model_logps(
+        model, ids.to(device), None, ids.shape[1] - 1, position_ids=pos.to(device), **kw
+    )  # (1, N - 1): token j + 1 at j
     cm, where = mb["completion_mask"], where.to(device)
-    return (unpack(out[0][0, where], cm), unpack(out[1][0, where], cm)) if return_entropy \
-        else unpack(out[0, where], cm)  # (b, c)
+    return (
+        (unpack(out[0][0, where], cm), unpack(out[1][0, where], cm))
+        if return_entropy
+        else unpack(out[0, where], cm)
+    )  # (b, c)
 
 
 def forward_values(critic, mb, packing, device):
     """(b, c) values of the states before each completion token, padded or packed."""
     if not packing:
         am = mb["attention_mask"].to(device)  # (b, t)
-        values = critic(input_ids=mb["input_ids"].to(device), attention_mask=am, position_ids=positions_from_mask(am))
+        values = critic(
+            input_ids=mb["input_ids"].to(device),
+            attention_mask=am,
+            position_ids=positions_from_mask(am),
+        )
         c = mb["logits_to_keep"]
-        return values[:, -c - 1:-1]  # (b, c)
+        return values[:, -c - 1 : -1]  # (b, c)
     ids, pos, where = pack(mb)
-    values = critic(input_ids=ids.to(device), attention_mask=None, position_ids=pos.to(device))  # (1, N)
+    # (1, N)
+    values = critic(input_ids=ids.to(device), attention_mask=None, position_ids=pos.to(device))
     return unpack(values[0, where.to(device)], mb["completion_mask"])  # (b, c)
 
 
 # ---- Micro-batches, rollout scoring and the update -----------------------------------------------
 @torch.no_grad()
 def rollout_forwards(scorers, batch, plan):
-    """{name: (B, C)} from each scorer fn(micro-batch) -> (b, c), micro-batch by micro-batch with the
-    update's slicing (same numerics). Zero-weight repeats keep ZeRO-3's collectives in step."""
-    out = {name: torch.zeros(batch["completion_mask"].shape, dtype=torch.float32) for name in scorers}  # (B, C)
-    for idx in plan:
-        mb = micro_slice(batch, plan[0] if idx is None else idx)
+    """{name: (B, C)} from each scorer fn(micro-batch) -> (b, c), micro-batch by micro-batch with
+    the update's slicing (same numerics). Zero-weight repeats keep ZeRO-3's collectives in step."""
+    out = {
+        name: torch.zeros(batch["completion_mask"].shape, dtype=torch.float32) for name in scorers
+    }  # (B, C)
+    for idx, mb, weight in micro_batches(batch, plan):
         for name, fn in scorers.items():
             v = fn(mb)  # (b, c)
-            if idx is not None:
-                out[name][idx, :mb["logits_to_keep"]] = v.float().cpu()
+            if weight:
+                out[name][idx, : mb["logits_to_keep"]] = v.float().cpu()
     return out
 
 
@@ -443,46 +735,67 @@ def train_on_batch(actor, critic, batch, plan, args, device):
     """
     world = actor.dp_world_size
     per = math.ceil(len(plan) / args.num_mini_batches)
-    groups = [plan[i:i + per] for i in range(0, len(plan), per)]  # the same on every rank
+    groups = [plan[i : i + per] for i in range(0, len(plan), per)]  # the same on every rank
     sums, n_updates = {}, args.ppo_epochs * len(groups)
     for _ in range(args.ppo_epochs):
         for group in groups:
-            (normalizer,) = all_sum([sum(float(batch["completion_mask"][i].sum()) for i in group if i is not None)])
+            tokens = sum(
+                w * float(mb["completion_mask"].sum()) for _, mb, w in micro_batches(batch, group)
+            )
+            (normalizer,) = all_sum([tokens])
             normalizer = max(normalizer, 1.0)
-            for i, idx in enumerate(group):
-                mb = micro_slice(batch, group[0] if idx is None else idx)
+            for i, (_, mb, weight) in enumerate(micro_batches(batch, group)):
                 mask = mb["completion_mask"].to(device)  # (b, c)
-                to = lambda t: t.to(device)  # noqa: E731
-                weight = 0.0 if idx is None else 1.0  # a padding micro-batch only keeps the collectives in step
                 boundary = i == len(group) - 1  # we decide where the step is
                 # through the engines' forward: ZeRO-3 counts micro-steps there (see grpo.py)
                 actor.set_gradient_accumulation_boundary(boundary)
-                logps, entropy = forward_logps(actor, mb, args.temperature, args.packing, device,
-                                               return_entropy=True, chunk_size=args.logprob_chunk_size)  # (b, c)
-                pl, pm = policy_loss(logps, to(mb["old_logps"]), to(mb["advantages"]), mask, args.cliprange,
-                                     normalizer)
+                logps, entropy = forward_logps(
+                    actor,
+                    mb,
+                    args.temperature,
+                    args.packing,
+                    device,
+                    return_entropy=True,
+                    chunk_size=args.logprob_chunk_size,
+                )  # (b, c)
+                old_logps, advantages = mb["old_logps"].to(device), mb["advantages"].to(device)
+                pl, pm = policy_loss(logps, old_logps, advantages, mask, args.cliprange, normalizer)
+                # weight 0: a padding repeat
                 actor.backward(pl * weight * world, scale_wrt_gas=False)
                 critic.set_gradient_accumulation_boundary(boundary)
                 values = forward_values(critic, mb, args.packing, device)  # (b, c)
-                vl, vm = value_loss(values, to(mb["values"]), to(mb["returns"]), mask, args.cliprange_value,
-                                    normalizer)
+                old_values, returns = mb["values"].to(device), mb["returns"].to(device)
+                vl, vm = value_loss(
+                    values, old_values, returns, mask, args.cliprange_value, normalizer
+                )
                 critic.backward(vl * weight * world, scale_wrt_gas=False)
-                if idx is not None:
-                    metrics = {**pm, **vm, "entropy": (entropy.detach() * mask).sum(),
-                               "policy_loss": pl.detach() / n_updates,
-                               "value_loss": vl.detach() / n_updates}  # summed: the mean mini-batch loss
+                if weight:
+                    # summed: the mean mini-batch loss
+                    metrics = {
+                        **pm,
+                        **vm,
+                        "entropy": (entropy.detach() * mask).sum(),
+                        "policy_loss": pl.detach() / n_updates,
+                        "value_loss": vl.detach() / n_updates,
+                    }
                     for k, v in metrics.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
             actor.step()
             critic.step()
             # DeepSpeed refused a non-finite step (alike on every rank): counted once per rank here
-            sums["skipped"] = sums.get("skipped", 0.0) + (not actor.was_step_applied()) + (not critic.was_step_applied())
+            sums["skipped"] = (
+                sums.get("skipped", 0.0)
+                + (not actor.was_step_applied())
+                + (not critic.was_step_applied())
+            )
     return sums
 
 
 # ---- Evaluation ----------------------------------------------------------------------------------
+# Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
 def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
-    """Held-out mean score and accuracy (0 with a reward model): one sampled completion per prompt."""
+    """Held-out mean score and accuracy (0 with a reward model): one sampled completion per
+    prompt."""
     if not rows:
         return float("nan"), float("nan")
     mine = rows[rank::world]
@@ -491,26 +804,32 @@ def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
     gens = generate(engine, tokenizer, prompt_ids, args, 1)
     completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
     batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
-    total, per_func = score(args, mine, completions, 1, batch, plan_micro_batches(batch, args.micro_train_batch_size),
-                            reward_model, device)
-    solved = torch.stack([r >= 1 for r in per_func.values()]).all(0) if per_func else torch.zeros(len(mine))  # (B,)
+    total, per_func = score(
+        args,
+        mine,
+        completions,
+        1,
+        batch,
+        plan_micro_batches(batch, args.micro_train_batch_size),
+        reward_model,
+        device,
+    )
+    solved = (
+        torch.stack([r >= 1 for r in per_func.values()]).all(0)
+        if per_func
+        else torch.zeros(len(mine))
+    )  # (B,)
     reward_sum, solved_sum, n = all_sum([total.sum().item(), solved.sum().item(), len(mine)])
     return reward_sum / n, solved_sum / n
 
 
 # ---- The loop ------------------------------------------------------------------------------------
+# Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
 def main(argv=None):
     args = parse_args(argv)
     if args.preflight:  # run.sh: once, in one process, before torchrun starts the ranks
         preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)))
         return print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
-    import deepspeed
-    import torch.distributed as dist
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from zero3_utils import frozen_engine, gathered, save_hf
-
     # 1. setup: every input checked on every rank before a model loads -----------------------
     rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -527,89 +846,87 @@ def main(argv=None):
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         critic.body.gradient_checkpointing_enable()
-    if args.lora_r:  # adapters on actor and critic body; the value head stays fully trained
-        from peft import LoraConfig, get_peft_model
-        def lora(task):
-            return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type=task,
-                              target_modules=args.lora_target_modules)
-        if args.gradient_checkpointing:  # frozen embeddings: checkpointed layers still need a grad input
-            model.enable_input_require_grads()
-            critic.body.enable_input_require_grads()
-        model = get_peft_model(model, lora("CAUSAL_LM"))
-        critic.body = get_peft_model(critic.body, lora("FEATURE_EXTRACTION"))
-
-    def ds_config(lr):  # one config per trained model: only the learning rate differs
-        return deepspeed_config(args, world, model.config.hidden_size, dtype, lr)
-
-    def trained(module, lr):
-        engine, *_ = deepspeed.initialize(model=module, config=ds_config(lr),
-                                          model_parameters=[p for p in module.parameters() if p.requires_grad])
-        return engine
-
-    def frozen(module):  # sharded like the trained models under ZeRO-3, else resident on the device
-        return frozen_engine(module, ds_config(0.0), offload=args.frozen_offload).module if stage == 3 \
-            else module.to(device).eval().requires_grad_(False)
-
-    engine, critic_engine = trained(model, args.learning_rate), trained(critic, args.critic_learning_rate)
+    if args.lora_r:
+        model = add_lora(model, critic, args)
+    hidden = model.config.hidden_size  # one DeepSpeed config per model: only the LR differs
+    engine = trained_engine(model, deepspeed_config(args, world, hidden, dtype, args.learning_rate))
+    critic_engine = trained_engine(
+        critic, deepspeed_config(args, world, hidden, dtype, args.critic_learning_rate)
+    )
+    frozen_ds = deepspeed_config(args, world, hidden, dtype, 0.0)
     ref = None
-    if args.kl_coef > 0 and not args.lora_r:  # with LoRA the reference is the actor with adapters off
-        ref = frozen(AutoModelForCausalLM.from_pretrained(model_path, **attn))
+    # with LoRA the reference is the actor with adapters off
+    if args.kl_coef > 0 and not args.lora_r:
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
+        ref = frozen_model(ref_model, frozen_ds, stage, args.frozen_offload, device)
     reward_model = None
     if args.reward_model:
-        reward_model = frozen(AutoModelForSequenceClassification.from_pretrained(args.reward_model, num_labels=1,
-                                                                                 **attn))
+        rm = AutoModelForSequenceClassification.from_pretrained(
+            args.reward_model, num_labels=1, **attn
+        )
+        reward_model = frozen_model(rm, frozen_ds, stage, args.frozen_offload, device)
 
     start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
-    engines = {"actor": engine, "critic": critic_engine}  # one sub-dir each in checkpoints/step<N>/ (checkpoint.py)
-    ckpt_config = run_config(args, world)  # checked against the checkpoint by preflight() on --resume
+    # one sub-dir each in checkpoints/step<N>/ (checkpoint.py)
+    engines = {"actor": engine, "critic": critic_engine}
+    # checked against the checkpoint by preflight() on --resume
+    ckpt_config = run_config(args, world)
     if args.resume:  # every engine's state (model, optimizer, LR schedule) and the step
         start_step = load_checkpoint(engines, ckpt_dir)
         say(f"resumed from {latest_checkpoint(ckpt_dir)} at step {start_step}")
-    log = RunLog(args.run_dir, __file__, {k: v for k, v in vars(args).items() if k != "funcs"}, rank, args.report_to,
-                 resume_step=start_step if args.resume else None,  # drop rows the killed run wrote after it
-                 extra={"world_size": world, "ds_config_resolved": ds_config(args.learning_rate)})
+    log = RunLog(
+        args.run_dir,
+        __file__,
+        {k: v for k, v in vars(args).items() if k != "funcs"},
+        rank,
+        args.report_to,
+        resume_step=start_step if args.resume else None,  # drop rows the killed run wrote after it
+        extra={
+            "world_size": world,
+            "ds_config_resolved": deepspeed_config(args, world, hidden, dtype, args.learning_rate),
+        },
+    )
 
     def held_out(step, when):
-        reward, acc = evaluate(engine, reward_model, tokenizer, eval_rows, args, rank, world, device)
-        say(f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} prompts)")
+        reward, acc = evaluate(
+            engine, reward_model, tokenizer, eval_rows, args, rank, world, device
+        )
+        say(
+            f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} "
+            "prompts)"
+        )
         log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
-    def ref_logps(mb):  # the frozen reference, or the actor itself with its LoRA adapters switched off
-        if ref is not None:
-            return forward_logps(ref, mb, args.temperature, args.packing, device, chunk_size=args.logprob_chunk_size)
-        with engine.module.disable_adapter():
-            return forward_logps(engine.module, mb, args.temperature, args.packing, device,
-                                 chunk_size=args.logprob_chunk_size)
-
-    scorers = {"old_logps": lambda mb: forward_logps(engine.module, mb, args.temperature, args.packing, device,
-                                                     chunk_size=args.logprob_chunk_size),
-               "values": lambda mb: forward_values(critic_engine.module, mb, args.packing, device)}
-    if args.kl_coef > 0:
-        scorers["ref_logps"] = ref_logps
+    scorers = rollout_scorers(engine, critic_engine, ref, args, device)  # no grad, per micro-batch
 
     t_start = time.time()
     first = float("nan")  # on resume the first held-out score is already in metrics.jsonl
     if args.num_eval_prompts and not args.resume:
         first = held_out(start_step, f"step {start_step}")
     G, N = args.num_generations, args.prompts_per_rank
-    bar = tqdm(range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="ppo")
+    bar = tqdm(
+        range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="ppo"
+    )
     ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
-    guard = StepGuard(args.max_bad_steps)  # skipped non-finite steps: counted, and a stop after a few in a row
+    # skipped non-finite steps: counted, and a stop after a few in a row
+    guard = StepGuard(args.max_bad_steps)
     stop = StopOnSignal()  # SIGTERM / Ctrl-C from here on: finish the step, checkpoint it, exit 5
     for step in bar:
         t0 = time.time()
-        torch.manual_seed(args.seed * 7919 + step * world + rank)  # sampling replays exactly on resume
+        # sampling replays exactly on resume
+        torch.manual_seed(args.seed * 7919 + step * world + rank)
 
         # 3. rollout and scores ----------------------------------------------------------------
-        rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N:(rank + 1) * N]
+        rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N : (rank + 1) * N]
         prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length)
         with ledger.phase("rollout"):
             gens = generate(engine, tokenizer, prompt_ids, args, G)
             completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
             batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
             plan = plan_micro_batches(batch, args.micro)
-            scores, per_func = score(args, rows, completions, G, batch, plan, reward_model, device)  # (B,)
+            # (B,)
+            scores, per_func = score(args, rows, completions, G, batch, plan, reward_model, device)
         t_rollout = time.time() - t0
 
         # 4. old log-probs, reference log-probs, values: no grad, micro-batch by micro-batch -------
@@ -618,11 +935,17 @@ def main(argv=None):
 
         # 5. per-token rewards, GAE, whitened advantages ------------------------------------------
         mask = batch["completion_mask"]  # (B, C)
-        rewards, kl = token_rewards(batch["old_logps"], batch.get("ref_logps"), mask, scores, args.kl_coef)  # (B, C)
-        advantages, batch["returns"] = gae(rewards, batch["values"] * mask, mask, args.gamma, args.lam)  # (B, C)
-        batch["advantages"] = masked_whiten(advantages.to(comm_device()), mask.to(comm_device())).cpu()  # (B, C)
+        rewards, kl = token_rewards(
+            batch["old_logps"], batch.get("ref_logps"), mask, scores, args.kl_coef
+        )  # (B, C)
+        advantages, batch["returns"] = gae(
+            rewards, batch["values"] * mask, mask, args.gamma, args.lam
+        )  # (B, C)
+        batch["advantages"] = masked_whiten(
+            advantages.to(comm_device()), mask.to(comm_device())
+        ).cpu()  # (B, C)
 
-        # 6. update: ppo_epochs x mini-batches, micro-batches with accumulation ----------------------
+        # 6. update: ppo_epochs x mini-batches, micro-batches with accumulation ---------------
         t1 = time.time()
         with ledger.phase("update"):
             sums = train_on_batch(engine, critic_engine, batch, plan, args, device)
@@ -633,50 +956,96 @@ def main(argv=None):
         totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
         norms = [e.get_global_grad_norm() for e in (engine, critic_engine)]
         norms = None if None in norms else max(float(n) for n in norms)  # non-finite if either is
-        guard.update(step + 1, totals["policy_loss"] + totals["value_loss"], norms, totals["skipped"] > 0)
-        rollout = all_sum([(kl * mask).sum().item(), mask.sum().item(), (batch["values"] * mask).sum().item(),
-                           (batch["returns"] * mask).sum().item()])
-        allr = all_cat(torch.stack([scores, mask.sum(1).float(), *per_func.values()], 1))
-        # (world * B, 2 + F): score, completion length, each function
+        guard.update(
+            step + 1, totals["policy_loss"] + totals["value_loss"], norms, totals["skipped"] > 0
+        )
+        rollout = all_sum(
+            [
+                (kl * mask).sum().item(),
+                mask.sum().item(),
+                (batch["values"] * mask).sum().item(),
+                (batch["returns"] * mask).sum().item(),
+            ]
+        )
+        # (world * B, 2 + F), every rank's sequences: score, completion length, each function
+        seq_stats = all_cat(torch.stack([scores, mask.sum(1).float(), *per_func.values()], 1))
         dt = time.time() - t0
-        row = {"step": step + 1, "reward": allr[:, 0].mean().item(), "reward_std": allr[:, 0].std().item(),
-               "kl": rollout[0] / rollout[1], "value_mean": rollout[2] / rollout[1],
-               "return_mean": rollout[3] / rollout[1],
-               "policy_loss": totals["policy_loss"], "value_loss": totals["value_loss"],
-               **{k: totals[k] / totals["tokens"] for k in ("entropy", "ratio", "approx_kl", "clip", "vf_clip")},
-               "completion_len": allr[:, 1].mean().item(), "lr": engine.get_lr()[0],
-               "grad_norm_max": norms, "skipped_steps": guard.skipped,
-               "tokens_per_s": allr[:, 1].sum().item() / dt, "step_s": dt, "rollout_s": t_rollout,
-               "update_s": t_update, "elapsed_s": time.time() - t_start,
-               **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
-               **{f"rewards/{name}/mean": allr[:, 2 + j].mean().item() for j, name in enumerate(per_func)}}
+        row = {
+            "step": step + 1,
+            "reward": seq_stats[:, 0].mean().item(),
+            "reward_std": seq_stats[:, 0].std().item(),
+            "kl": rollout[0] / rollout[1],
+            "value_mean": rollout[2] / rollout[1],
+            "return_mean": rollout[3] / rollout[1],
+            "policy_loss": totals["policy_loss"],
+            "value_loss": totals["value_loss"],
+            **{
+                k: totals[k] / totals["tokens"]
+                for k in ("entropy", "ratio", "approx_kl", "clip", "vf_clip")
+            },
+            "completion_len": seq_stats[:, 1].mean().item(),
+            "lr": engine.get_lr()[0],
+            "grad_norm_max": norms,
+            "skipped_steps": guard.skipped,
+            "tokens_per_s": seq_stats[:, 1].sum().item() / dt,
+            "step_s": dt,
+            "rollout_s": t_rollout,
+            "update_s": t_update,
+            "elapsed_s": time.time() - t_start,
+            **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
+            **{
+                f"rewards/{name}/mean": seq_stats[:, 2 + j].mean().item()
+                for j, name in enumerate(per_func)
+            },
+        }
         if per_func:
-            row["accuracy"] = (allr[:, 2:] >= 1).all(1).float().mean().item()
+            row["accuracy"] = (seq_stats[:, 2:] >= 1).all(1).float().mean().item()
         log.record(row)
         bar.set_postfix(reward=f"{row['reward']:.3f}", vf=f"{row['value_loss']:.3f}")
         if rank == 0:
-            bar.write(f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} kl {row['kl']:.4f} "
-                      f"value_loss {row['value_loss']:.4f} entropy {row['entropy']:.2f} clip {row['clip']:.3f} "
-                      f"{dt:.2f}s")
-        if args.eval_steps and eval_rows and (step + 1) % args.eval_steps == 0 and step + 1 < args.max_steps:
+            bar.write(
+                f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} kl {row['kl']:.4f} "
+                f"value_loss {row['value_loss']:.4f} entropy {row['entropy']:.2f} clip "
+                f"{row['clip']:.3f} "
+                f"{dt:.2f}s"
+            )
+        if (
+            args.eval_steps
+            and eval_rows
+            and (step + 1) % args.eval_steps == 0
+            and step + 1 < args.max_steps
+        ):
             held_out(step + 1, f"step {step + 1}")
         saved = None
-        if args.save_steps and (step + 1) % args.save_steps == 0:  # after this step's rows: resume logs none twice
+        # after this step's rows: resume logs none twice
+        if args.save_steps and (step + 1) % args.save_steps == 0:
             saved = save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
-        if signum := stop.requested():  # SIGTERM or Ctrl-C on any rank: this step is done; keep it, stop
-            saved = saved or save_checkpoint(engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit)
+        # SIGTERM or Ctrl-C on any rank: this step is done; keep it, stop
+        if signum := stop.requested():
+            saved = saved or save_checkpoint(
+                engines, ckpt_dir, step + 1, ckpt_config, args.save_total_limit
+            )
             raise Stopped(stop.message(signum, step + 1, saved))  # exit 5 (checkpoint.py)
 
     bar.close()
     if args.num_eval_prompts:
         last = held_out(args.max_steps, "end")
-        since = f"resumed at step {start_step}" if args.resume else f"start {first:.3f}"  # start: in metrics.jsonl
-        say(f"held-out reward: {since} -> end {last:.3f} in {time.time() - t_start:.0f}s "
-            f"({args.max_steps - start_step} steps)")
-    mem = ledger.summary()  # rank 0's peaks; the highest phase is where to look first when memory runs out
+        # start: in metrics.jsonl
+        since = f"resumed at step {start_step}" if args.resume else f"start {first:.3f}"
+        say(
+            f"held-out reward: {since} -> end {last:.3f} in {time.time() - t_start:.0f}s "
+            f"({args.max_steps - start_step} steps)"
+        )
+    # rank 0's peaks; the highest phase is where to look first when memory runs out
+    mem = ledger.summary()
     say(mem["text"])
-    log.record({"step": args.max_steps, "mem/highest_phase": mem["highest"],
-                **{f"mem/run_peak/{k}": v for k, v in mem["peak_gb"].items()}})
+    log.record(
+        {
+            "step": args.max_steps,
+            "mem/highest_phase": mem["highest"],
+            **{f"mem/run_peak/{k}": v for k, v in mem["peak_gb"].items()},
+        }
+    )
     if args.save_model:
         final = os.path.join(args.run_dir, "final")
         if args.lora_r:  # the adapters only (load them onto the base model with peft)
@@ -687,8 +1056,13 @@ def main(argv=None):
             dist.barrier()
         else:
             save_hf(engine, tokenizer, final)
-    log.close(panels=[[("reward", "train score", "-"), ("eval/reward", "held-out score", "o-")],
-                      [("value_loss", "value loss", "-")], [("kl", "KL to reference", "-")]])
+    log.close(
+        panels=[
+            [("reward", "train score", "-"), ("eval/reward", "held-out score", "o-")],
+            [("value_loss", "value loss", "-")],
+            [("kl", "KL to reference", "-")],
+        ]
+    )
     dist.barrier()
     dist.destroy_process_group()
 

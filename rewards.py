@@ -122,8 +122,9 @@ def answers_match(predicted, reference):
 # ---- The reward functions ------------------------------------------------------------------------
 def math_reward(prompts, completions, answers):
     """1 when the completion's final answer (see extract_answer) matches the reference, else 0."""
-    return [float(answers_match(extract_answer(c), _reference(a)))
-            for c, a in zip(completions, answers)]
+    return [
+        float(answers_match(extract_answer(c), _reference(a))) for c, a in zip(completions, answers)
+    ]
 
 
 _THINK = re.compile(r"\s*<think>((?:(?!<think>|</think>).)*)</think>\s*(\S.*)", re.DOTALL)
@@ -138,8 +139,10 @@ def think_format_reward(prompts, completions, answers):
     """1 for "<think>...</think>answer" (one think block, then a non-empty answer outside any
     block), else 0. When the prompt ends with "<think>", the completion continues that block."""
     prompts = prompts or [""] * len(completions)
-    return [_think_format("<think>" + c if p.rstrip().endswith("<think>") else c)
-            for p, c in zip(prompts, completions)]
+    return [
+        _think_format("<think>" + c if p.rstrip().endswith("<think>") else c)
+        for p, c in zip(prompts, completions)
+    ]
 
 
 def think_continued_format_reward(prompts, completions, answers):

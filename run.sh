@@ -50,10 +50,10 @@ args=(--ds_config "${DS_CONFIG:-configs/zero3.json}" --run_dir "$run_dir")
 prev=""; for a in "$@"; do [[ $prev == --run_dir ]] && run_dir=$a; prev=$a; done   # the last one wins
 [[ -n "${DATA:-}" ]] && args+=(--data "$DATA")
 if [[ -n "${MODEL:-}" ]]; then
+  # A pretrained model: grpo.py's `pretrained` recipe (python grpo.py --help lists its values), so
+  # MODEL=X bash run.sh is the run of `python grpo.py --model X --recipe pretrained`.
   args+=(--model "$MODEL")
-  # A pretrained model: a small LR and longer answers (the defaults fit the from-scratch tiny task).
-  [[ $ALGO == grpo ]] && args+=(--learning_rate 1e-6 --max_completion_length 256 --prompts_per_rank 4
-                                --per_device_train_batch_size 4 --gradient_checkpointing True --eval_steps 100)
+  [[ $ALGO == grpo ]] && args+=(--recipe pretrained)
 fi
 
 # One process first: --help, --estimate_memory, and the pre-flight check of every input (data, model,

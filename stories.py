@@ -31,16 +31,42 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-MODEL = os.environ.get("STORIES_MODEL", os.path.join(ROOT, "..", "shared", "assets", "stories260K-hf"))
+MODEL = os.environ.get(
+    "STORIES_MODEL", os.path.join(ROOT, "..", "shared", "assets", "stories260K-hf")
+)
 DATA = os.path.join(ROOT, "runs", "stories-prompts.jsonl")
 FLUENCY_RANGE = (-2.5, -1.0)  # mean log-prob per token (nats) mapped to 0 and 1
 RECIPE = [  # a 260K-parameter model on 2 CPU processes: about 3 minutes for 16 steps
-    "--model", MODEL, "--pad_token", "</s>", "--data", DATA,
-    "--reward_funcs", "stories:reward,stories:mentions_dog,stories:fluency,stories:novelty",
-    "--reward_weights", "1,0,0,0", "--max_prompt_length", "40", "--max_completion_length", "48",
-    "--prompts_per_rank", "8", "--num_generations", "8", "--per_device_train_batch_size", "64",
-    "--learning_rate", "5e-4",  # 2e-3 got the dog in 3 steps and lost fluency (0.69 -> 0.18)
-    "--max_steps", "16", "--eval_steps", "8", "--num_eval_prompts", "64", "--temperature", "1.0",
+    "--model",
+    MODEL,
+    "--pad_token",
+    "</s>",
+    "--data",
+    DATA,
+    "--reward_funcs",
+    "stories:reward,stories:mentions_dog,stories:fluency,stories:novelty",
+    "--reward_weights",
+    "1,0,0,0",
+    "--max_prompt_length",
+    "40",
+    "--max_completion_length",
+    "48",
+    "--prompts_per_rank",
+    "8",
+    "--num_generations",
+    "8",
+    "--per_device_train_batch_size",
+    "64",
+    "--learning_rate",
+    "5e-4",  # 2e-3 got the dog in 3 steps and lost fluency (0.69 -> 0.18)
+    "--max_steps",
+    "16",
+    "--eval_steps",
+    "8",
+    "--num_eval_prompts",
+    "64",
+    "--temperature",
+    "1.0",
 ]
 
 NAMES = ["Lily", "Tom", "Sam", "Mia", "Ben", "Sue", "Tim", "Anna", "Max", "Lucy", "Jack", "Emma"]
@@ -61,8 +87,14 @@ def prompts():
         for i, name in enumerate(NAMES):
             for j in range(9):
                 kind, pron = ("girl", "she") if i % 2 == 0 else ("boy", "he")
-                text = template.format(kind=kind, name=name, Pron=pron.capitalize(), pron=pron,
-                                       place=PLACES[j % len(PLACES)], friend=NAMES[(i + 1 + j) % 12])
+                text = template.format(
+                    kind=kind,
+                    name=name,
+                    Pron=pron.capitalize(),
+                    pron=pron,
+                    place=PLACES[j % len(PLACES)],
+                    friend=NAMES[(i + 1 + j) % 12],
+                )
                 rows.append(text)
     return [{"prompt": p} for p in dict.fromkeys(rows)]  # unique, in order
 
@@ -76,7 +108,7 @@ def novelty(prompts, completions, answers):
     out = []
     for c in completions:
         words = re.findall(r"[a-z']+", c.lower())
-        grams = [tuple(words[i:i + 3]) for i in range(len(words) - 2)]
+        grams = [tuple(words[i : i + 3]) for i in range(len(words) - 2)]
         out.append(1.0 - (len(grams) - len(set(grams))) / len(grams) if grams else 1.0)
     return out
 
@@ -85,11 +117,16 @@ def novelty(prompts, completions, answers):
 def judge():
     """The frozen initial model and its tokenizer (once per process)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if not os.path.isdir(MODEL):
-        raise FileNotFoundError(f"stories.py judges with the initial model at {MODEL}: not found; set "
-                                f"STORIES_MODEL to the stories260K-hf directory")
-    return (AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(MODEL))
+        raise FileNotFoundError(
+            f"stories.py judges with the initial model at {MODEL}: not found; set "
+            f"STORIES_MODEL to the stories260K-hf directory"
+        )
+    return (
+        AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval(),
+        AutoTokenizer.from_pretrained(MODEL),
+    )
 
 
 @torch.no_grad()
@@ -104,7 +141,7 @@ def mean_logps(prompts, completions):
             continue
         ids = torch.tensor([a + b])  # (1, T)
         logp = model(ids).logits[0, :-1].log_softmax(-1)  # (T - 1, V), V = 512
-        out.append(logp[len(a) - 1:].gather(1, ids[0, len(a):, None]).mean().item())
+        out.append(logp[len(a) - 1 :].gather(1, ids[0, len(a) :, None]).mean().item())
     return out
 
 
@@ -115,8 +152,11 @@ def fluency(prompts, completions, answers):
 
 def reward(prompts, completions, answers):
     """mentions_dog x fluency x novelty, in [0, 1]."""
-    parts = zip(mentions_dog(prompts, completions, answers), fluency(prompts, completions, answers),
-                novelty(prompts, completions, answers))
+    parts = zip(
+        mentions_dog(prompts, completions, answers),
+        fluency(prompts, completions, answers),
+        novelty(prompts, completions, answers),
+    )
     return [m * f * n for m, f, n in parts]
 
 

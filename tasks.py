@@ -1,16 +1,16 @@
 """Tasks and rewards for the RL loops: the built-in task, reward functions, data and its order.
 
     from tasks import default_task, load_jsonl, batch_rows, reward_functions, score_completions
-    train_rows, eval_rows = default_task(num_eval=200)            # or load_jsonl(path, 200, seed)
-    funcs, weights = reward_functions("", "", data="")            # the task's own: format 0.25, correct 0.75
-    rows = batch_rows(train_rows, step, n=64, seed=0)             # step -> prompts, the same on resume
+    train_rows, eval_rows = default_task(num_eval=200)  # or load_jsonl(path, 200, seed)
+    funcs, weights = reward_functions("", "", data="")  # the task's: format 0.25, correct 0.75
+    rows = batch_rows(train_rows, step, n=64, seed=0)   # step -> prompts, the same on resume
     total, per_func = score_completions(funcs, weights, rows, completions, num_generations=8)
 
 A row is a dict {"prompt": str, "answer": str}. A reward function is a plain callable
 (prompts, completions, answers) -> list[float], one value per completion; give your own as
 `module:function` (the module on PYTHONPATH); `f.needs_answer = True` makes the pre-flight refuse
 data with rows that carry no answer (such a row's answer is None). Imports no sibling file except
-`tiny_models` (only in `task_model`, for the from-scratch model of the built-in task). Rewards for
+`tiny_models` (`task_model` builds the from-scratch model of the built-in task). Rewards for
 real recipes (math answers, a <think> format, a length penalty) are in rewards.py.
 """
 
@@ -20,12 +20,16 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import traceback
 
 import torch
+import torch.distributed as dist
 
-# ---- The built-in task: "largest digit", verifiable, tiny vocabulary, learnable from scratch on CPU ----
+from tiny_models import build_tiny
+
+# ---- The built-in task: "largest digit": verifiable, tiny vocabulary, learnable on CPU ---------
 TASK_CHARS = "0123456789="  # the tiny model's whole vocabulary (+ pad, bos, eos, unk): 15 tokens
 
 
@@ -43,11 +47,16 @@ def task_model(model, run_dir, rank, seed):
     TASK_CHARS) built from scratch by rank 0 under run_dir/model. Call on every rank (it waits)."""
     if model:
         return model
-    import torch.distributed as dist
     path = os.path.join(run_dir, "model")
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
-        from tiny_models import build_tiny
-        build_tiny(path, hidden_size=128, num_layers=2, chars=TASK_CHARS, seed=seed)
+        # built aside, then renamed into place: config.json never shows before the weights, even
+        # when two nodes' pre-flights (run.sh, one process per node) build it in a shared run_dir
+        tmp = f"{path}.tmp-{os.getpid()}"
+        build_tiny(tmp, hidden_size=128, num_layers=2, chars=TASK_CHARS, seed=seed)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process renamed the same model into place first
+            shutil.rmtree(tmp)
     if dist.is_initialized():
         dist.barrier()
     return path
@@ -56,7 +65,9 @@ def task_model(model, run_dir, rank, seed):
 # ---- Reward functions ---------------------------------------------------------------------------
 def format_reward(prompts, completions, answers):
     """1 for exactly one digit (then EOS), 0.5 for a digit followed by more, else 0."""
-    return [1.0 if len(c) == 1 and c.isdigit() else 0.5 if c[:1].isdigit() else 0.0 for c in completions]
+    return [
+        1.0 if len(c) == 1 and c.isdigit() else 0.5 if c[:1].isdigit() else 0.0 for c in completions
+    ]
 
 
 def correct_reward(prompts, completions, answers):
@@ -95,31 +106,45 @@ def load_reward_funcs(spec):
         flag = f"--reward_funcs {item!r}"
         if not module:
             if name not in BUILT_IN:
-                raise ValueError(f"{flag}: not a built-in reward ({', '.join(BUILT_IN)}); write "
-                                 f"module:function, with the module on PYTHONPATH")
+                raise ValueError(
+                    f"{flag}: not a built-in reward ({', '.join(BUILT_IN)}); write "
+                    f"module:function, with the module on PYTHONPATH"
+                )
             funcs.append(getattr(sys.modules[__name__], name))
             continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
             if e.name and (module == e.name or module.startswith(e.name + ".")):  # not its import
-                raise ValueError(f"{flag}: no module {module!r} on PYTHONPATH; write "
-                                 f"module:function") from None
-            raise ValueError(f"{flag}: importing {module} failed: ModuleNotFoundError: {e} "
-                             f"(at {_where(e)})") from e
+                raise ValueError(
+                    f"{flag}: no module {module!r} on PYTHONPATH; write module:function"
+                ) from None
+            raise ValueError(
+                f"{flag}: importing {module} failed: ModuleNotFoundError: {e} (at {_where(e)})"
+            ) from e
         except Exception as e:  # the user's module: a syntax error, or what its top level raises
             msg = e.msg if isinstance(e, SyntaxError) else str(e)
-            raise ValueError(f"{flag}: importing {module} failed: {type(e).__name__}: {msg} "
-                             f"(at {_where(e)})") from e
+            raise ValueError(
+                f"{flag}: importing {module} failed: {type(e).__name__}: {msg} (at {_where(e)})"
+            ) from e
         if not hasattr(mod, name):
-            defined = [k for k, v in vars(mod).items() if callable(v) and not k.startswith("_")
-                       and getattr(v, "__module__", None) == mod.__name__]
-            raise ValueError(f"{flag}: module {module} has no name {name!r} (its functions: "
-                             f"{', '.join(defined[:10]) or 'none'}); write module:function")
+            defined = [
+                k
+                for k, v in vars(mod).items()
+                if callable(v)
+                and not k.startswith("_")
+                and getattr(v, "__module__", None) == mod.__name__
+            ]
+            raise ValueError(
+                f"{flag}: module {module} has no name {name!r} (its functions: "
+                f"{', '.join(defined[:10]) or 'none'}); write module:function"
+            )
         f = getattr(mod, name)
         if not callable(f):
-            raise ValueError(f"{flag}: {module}.{name} is a {type(f).__name__}, not a function "
-                             f"(prompts, completions, answers) -> list[float]")
+            raise ValueError(
+                f"{flag}: {module}.{name} is a {type(f).__name__}, not a function "
+                f"(prompts, completions, answers) -> list[float]"
+            )
         funcs.append(f)
     return funcs
 
@@ -128,23 +153,30 @@ def reward_functions(reward_funcs, reward_weights, data):
     """(funcs, weights) from the --reward_funcs / --reward_weights strings. Empty funcs: the task's
     own (format_reward 0.25 + correct_reward 0.75 on the built-in task, exact_match_reward on
     JSONL data); empty weights: 1 each."""
-    funcs = load_reward_funcs(reward_funcs or ("format_reward,correct_reward" if not data else "exact_match_reward"))
+    funcs = load_reward_funcs(
+        reward_funcs or ("format_reward,correct_reward" if not data else "exact_match_reward")
+    )
     weights = reward_weights or ("0.25,0.75" if not (data or reward_funcs) else "")
     try:
         weights = [float(w) for w in weights.split(",")] if weights else [1.0] * len(funcs)
     except ValueError:
-        raise ValueError(f"--reward_weights {reward_weights!r}: comma-separated numbers, one per "
-                         f"function") from None
+        raise ValueError(
+            f"--reward_weights {reward_weights!r}: comma-separated numbers, one per function"
+        ) from None
     if not all(math.isfinite(w) for w in weights):
         raise ValueError(f"--reward_weights {reward_weights!r}: the weights must be finite numbers")
     if len(weights) != len(funcs):
-        raise ValueError(f"--reward_weights has {len(weights)} values for {len(funcs)} reward functions")
+        raise ValueError(
+            f"--reward_weights has {len(weights)} values for {len(funcs)} reward functions"
+        )
     return funcs, weights
 
 
 class RewardError(ValueError):
-    """A reward function failed: raised, miscounted, or returned a non-number / NaN / inf. The message
-    names it; exit_code makes checks.entry print it as one line (from the rank that hit it) and exit 2."""
+    """A reward function failed: raised, miscounted, or returned a non-number / NaN / inf. The
+    message names it; exit_code makes checks.entry print it as one line (from the rank that hit it)
+    and exit 2."""
+
     exit_code, everywhere = 2, False
 
 
@@ -157,21 +189,28 @@ def call_reward(f, prompts, completions, answers):
     try:
         values = f(prompts, completions, answers)
     except Exception as e:  # the user's code: whatever it raises, say whose it is and where
-        raise RewardError(f"reward function {_name(f)} raised {type(e).__name__}: {e} "
-                          f"(at {_where(e)})") from e
+        raise RewardError(
+            f"reward function {_name(f)} raised {type(e).__name__}: {e} (at {_where(e)})"
+        ) from e
     try:
         values = [float(v) for v in values]
     except (TypeError, ValueError):
-        raise RewardError(f"reward function {_name(f)} returned {type(values).__name__} {str(values)[:80]}; "
-                          f"it must return a list of floats, one per completion") from None
+        raise RewardError(
+            f"reward function {_name(f)} returned {type(values).__name__} {str(values)[:80]}; "
+            f"it must return a list of floats, one per completion"
+        ) from None
     if len(values) != len(completions):
-        raise RewardError(f"reward function {_name(f)} returned {len(values)} values for {len(completions)} "
-                          f"completions; return one per completion")
+        raise RewardError(
+            f"reward function {_name(f)} returned {len(values)} values for {len(completions)} "
+            f"completions; return one per completion"
+        )
     bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
     if bad:
-        raise RewardError(f"reward function {_name(f)} returned {values[bad[0]]} for completion {bad[0]} "
-                          f"({completions[bad[0]]!r}) and {len(bad) - 1} other non-finite values; return finite "
-                          f"numbers (e.g. 0.0 where the reward is undefined)")
+        raise RewardError(
+            f"reward function {_name(f)} returned {values[bad[0]]} for completion {bad[0]} "
+            f"({completions[bad[0]]!r}) and {len(bad) - 1} other non-finite values; return finite "
+            f"numbers (e.g. 0.0 where the reward is undefined)"
+        )
     return torch.tensor(values)  # (B,)
 
 
@@ -181,15 +220,16 @@ def score_completions(funcs, weights, rows, completions, num_generations):
     "answer" passes None (checks.check_answers refuses such data if a function needs_answer)."""
     prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
     answers = [r.get("answer") for r in rows for _ in range(num_generations)]
-    per_func = {f.__name__: call_reward(f, prompts, completions, answers) for f in funcs}  # {name: (B,)}
+    # {name: (B,)}
+    per_func = {f.__name__: call_reward(f, prompts, completions, answers) for f in funcs}
     total = sum(w * r for w, r in zip(weights, per_func.values()))  # (B,)
     return total, per_func
 
 
-# ---- Data: JSONL with a held-out split, and the order it is seen in -------------------------------
+# ---- Data: JSONL with a held-out split, and the order it is seen in ------------------------------
 def load_jsonl(path, num_eval, seed):
-    """{"prompt": ..., "answer": ...} per line -> (train rows, num_eval held-out rows), seeded shuffle.
-    A malformed line is a ValueError naming its (1-based) line number."""
+    """{"prompt": ..., "answer": ...} per line -> (train rows, num_eval held-out rows), seeded
+    shuffle. A malformed line is a ValueError naming its (1-based) line number."""
     rows = []
     try:
         with open(path) as f:
@@ -199,19 +239,29 @@ def load_jsonl(path, num_eval, seed):
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}): "
-                                     f"{line.strip()[:80]!r}") from None
+                    raise ValueError(
+                        f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}): "
+                        f"{line.strip()[:80]!r}"
+                    ) from None
                 if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                    raise ValueError(f"{path} line {n} has no string \"prompt\": {line.strip()[:80]!r}; each "
-                                     f"line is {{\"prompt\": ..., \"answer\": ...}}")
+                    raise ValueError(
+                        f'{path} line {n} has no string "prompt": {line.strip()[:80]!r}; each '
+                        f'line is {{"prompt": ..., "answer": ...}}'
+                    )
                 rows.append(row)
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--data {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        raise ValueError(
+            f"--data {path}: cannot read it ({getattr(e, 'strerror', None) or e})"
+        ) from None
     if not rows:
-        raise ValueError(f"--data {path} has no rows; each line is {{\"prompt\": ..., \"answer\": ...}}")
+        raise ValueError(
+            f'--data {path} has no rows; each line is {{"prompt": ..., "answer": ...}}'
+        )
     random.Random(seed).shuffle(rows)
     if len(rows) <= num_eval:
-        raise ValueError(f"{path} has {len(rows)} rows, not more than num_eval_prompts={num_eval}; lower it")
+        raise ValueError(
+            f"{path} has {len(rows)} rows, not more than num_eval_prompts={num_eval}; lower it"
+        )
     return rows[num_eval:], rows[:num_eval]
 
 
@@ -221,11 +271,12 @@ def load_data(data, num_eval, seed):
 
 
 def batch_rows(rows, step, n, seed):
-    """The n prompts of global step `step`: a fixed seeded order per epoch, so resume sees the same data."""
+    """The n prompts of global step `step`: a fixed seeded order per epoch, so resume sees the same
+    data."""
     out, start = [], step * n
     while len(out) < n:
         epoch, offset = divmod(start + len(out), len(rows))
         order = list(range(len(rows)))
         random.Random(seed * 1000003 + epoch).shuffle(order)
-        out += [rows[i] for i in order[offset:offset + n - len(out)]]
+        out += [rows[i] for i in order[offset : offset + n - len(out)]]
     return out

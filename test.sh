@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Install (if needed) and run the whole test suite. Extra args go to pytest, e.g.
+# Install (if needed), lint, and run the whole test suite. Extra args go to pytest, e.g.
 #   bash test.sh -k logprobs -x
 set -euo pipefail
 cd "$(dirname "$0")"
 bash install.sh
 [[ -n "${VIRTUAL_ENV:-}" ]] || source .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+# Lint and format first (settings in pyproject.toml): a violation fails the run before any test.
+if ! ruff check . || ! ruff format --check .; then
+  echo "test.sh: ruff found the violations above; \`ruff format . && ruff check --fix .\` fixes" \
+       "most of them (long comments and strings: by hand)" >&2
+  exit 1
+fi
 set +e
 python -m pytest tests -q "$@"
 rc=$?

@@ -53,7 +53,11 @@ def build_tokenizer(path, chars=DEFAULT_CHARS):
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
     )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
         padding_side="left",  # generation wants left padding; per-call code may override
     )
     os.makedirs(path, exist_ok=True)
@@ -61,14 +65,29 @@ def build_tokenizer(path, chars=DEFAULT_CHARS):
     return fast
 
 
-def llama_config(vocab_size, hidden_size=128, num_layers=2, num_heads=None, num_kv_heads=None,
-                 intermediate_size=None, max_position_embeddings=512, tie_word_embeddings=False, **extra):
+def llama_config(
+    vocab_size,
+    hidden_size=128,
+    num_layers=2,
+    num_heads=None,
+    num_kv_heads=None,
+    intermediate_size=None,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    **extra,
+):
     """A LlamaConfig with head_dim 64 and this tokenizer's special-token ids."""
     if hidden_size % HEAD_DIM:
-        raise ValueError(f"hidden_size={hidden_size} must be a multiple of {HEAD_DIM} (head_dim 64 for vLLM's CPU attention)")
+        raise ValueError(
+            f"hidden_size={hidden_size} must be a multiple of {HEAD_DIM} (head_dim 64 for vLLM's "
+            "CPU attention)"
+        )
     num_heads = num_heads or hidden_size // HEAD_DIM
     if hidden_size != num_heads * HEAD_DIM:
-        raise ValueError(f"num_heads={num_heads} gives head_dim {hidden_size // num_heads}; use num_heads={hidden_size // HEAD_DIM}")
+        raise ValueError(
+            f"num_heads={num_heads} gives head_dim {hidden_size // num_heads}; use "
+            f"num_heads={hidden_size // HEAD_DIM}"
+        )
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -86,17 +105,37 @@ def llama_config(vocab_size, hidden_size=128, num_layers=2, num_heads=None, num_
     )
 
 
-def build_tiny(path, hidden_size=128, num_layers=2, num_heads=None, num_kv_heads=None, intermediate_size=None,
-               max_position_embeddings=512, tie_word_embeddings=False, reward_model=False, seed=0,
-               dtype=torch.float32, chars=DEFAULT_CHARS):
+def build_tiny(
+    path,
+    hidden_size=128,
+    num_layers=2,
+    num_heads=None,
+    num_kv_heads=None,
+    intermediate_size=None,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    reward_model=False,
+    seed=0,
+    dtype=torch.float32,
+    chars=DEFAULT_CHARS,
+):
     """Write tokenizer + randomly initialised (seeded) model to `path`; return `path`.
 
     reward_model=False: LlamaForCausalLM. reward_model=True: LlamaForSequenceClassification
     with one label (a scalar score read at the last non-pad token), usable as a reward model.
     """
     tokenizer = build_tokenizer(path, chars)
-    config = llama_config(len(tokenizer), hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
-                          max_position_embeddings, tie_word_embeddings, torch_dtype=dtype)
+    config = llama_config(
+        len(tokenizer),
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        intermediate_size,
+        max_position_embeddings,
+        tie_word_embeddings,
+        torch_dtype=dtype,
+    )
     if reward_model:
         config.num_labels = 1
     torch.manual_seed(seed)
@@ -106,25 +145,43 @@ def build_tiny(path, hidden_size=128, num_layers=2, num_heads=None, num_kv_heads
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     with open(os.path.join(path, "tiny_models.json"), "w") as f:
-        json.dump({"seed": seed, "reward_model": reward_model, "num_parameters": model.num_parameters()}, f)
+        json.dump(
+            {"seed": seed, "reward_model": reward_model, "num_parameters": model.num_parameters()},
+            f,
+        )
     return path
 
 
 @dataclass
 class Args:
     path: str = field(metadata={"help": "output directory"})
-    hidden_size: int = field(default=128, metadata={"help": "model width, a multiple of 64 (head_dim 64)"})
+    hidden_size: int = field(
+        default=128, metadata={"help": "model width, a multiple of 64 (head_dim 64)"}
+    )
     num_layers: int = field(default=2, metadata={"help": "decoder layers"})
-    intermediate_size: int = field(default=0, metadata={"help": "MLP width; 0 means 2 x hidden_size"})
+    intermediate_size: int = field(
+        default=0, metadata={"help": "MLP width; 0 means 2 x hidden_size"}
+    )
     max_position_embeddings: int = field(default=512, metadata={"help": "longest sequence"})
-    tie_word_embeddings: bool = field(default=False, metadata={"help": "share the input embedding with lm_head"})
-    reward_model: bool = field(default=False, metadata={"help": "build a 1-label sequence-classification model"})
+    tie_word_embeddings: bool = field(
+        default=False, metadata={"help": "share the input embedding with lm_head"}
+    )
+    reward_model: bool = field(
+        default=False, metadata={"help": "build a 1-label sequence-classification model"}
+    )
     seed: int = field(default=0, metadata={"help": "initialisation seed"})
 
 
 if __name__ == "__main__":
     (a,) = HfArgumentParser(Args).parse_args_into_dataclasses()
-    build_tiny(a.path, a.hidden_size, a.num_layers, intermediate_size=a.intermediate_size or None,
-               max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings,
-               reward_model=a.reward_model, seed=a.seed)
+    build_tiny(
+        a.path,
+        a.hidden_size,
+        a.num_layers,
+        intermediate_size=a.intermediate_size or None,
+        max_position_embeddings=a.max_position_embeddings,
+        tie_word_embeddings=a.tie_word_embeddings,
+        reward_model=a.reward_model,
+        seed=a.seed,
+    )
     print(f"wrote {a.path}")

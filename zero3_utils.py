@@ -6,17 +6,22 @@ its parameters and the post-hook frees them again. Everything below either works
 (streaming, one bounded group at a time) or switches it off for a while (gathered generation).
 
 Public API
+    process_rank() / comm_device() / all_max(n)        this rank; the device collectives need (the
+                                                       GPU under NCCL, else CPU); a max over ranks
     is_zero3(model_or_engine) -> bool                  parameters partitioned by ZeRO-3?
     is_sharded(model_or_engine) -> bool                ... and some are not gathered right now?
     gathered(params_or_module, enabled=True)           GatheredParameters; no-op off ZeRO-3
     remove_hooks(engine) / restore_hooks(engine)       ZeRO-3 per-module fetch hooks off / on
-    without_hooks(engine)                              context manager: hooks off, restored on any exit
-    partially_gathered(engine, budget_bytes)           context manager: as many modules as fit in the
-                                                       budget gathered and hook-free, the rest sharded
-    iter_full_params(model, max_numel=2**26)           yields (name, full tensor), gathering at most
-                                                       max_numel elements (or one parameter) at a time
+    without_hooks(engine)                              context manager: hooks off, back on any exit
+    partially_gathered(engine, budget_bytes)           context manager: as many modules as fit in
+                                                       the budget gathered and hook-free, the rest
+                                                       sharded
+    iter_full_params(model, max_numel=2**26)           yields (name, full tensor), gathering at
+                                                       most max_numel elements (or one parameter)
+                                                       at a time
     save_hf(engine_or_model, tokenizer, path)          consolidated HF checkpoint, written by rank 0
-    frozen_engine(model, ds_config, offload=False)     reference/reward model as a ZeRO-3 inference engine
+    frozen_engine(model, ds_config, offload=False)     reference/reward model, a ZeRO-3 inference
+                                                       engine
     load_ds_config(path_or_dict, world_size=None, hidden_size=None, **overrides) -> dict
 
 Every call into DeepSpeed internals sits in one function whose name starts with `_ds_` and
@@ -29,16 +34,41 @@ import json
 import os
 from contextlib import contextmanager, nullcontext
 
+import deepspeed
 import torch
 import torch.distributed as dist
-
-import deepspeed
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 
+# ---- The process group: this rank, and where collectives put their tensors --------------------
+def process_rank():
+    """This process's rank: the process group's, or before it exists torchrun's RANK (0 alone)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def comm_device():
+    """Where a collective's tensors must live: the current GPU under NCCL, else the CPU."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def all_max(n):
+    """The largest of the integers `n` over all ranks (`n` itself without a process group)."""
+    if not dist.is_initialized():
+        return n
+    t = torch.tensor([n], dtype=torch.long, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+# ---- Modules inside engines, ZeRO-3 parameters ---------------------------------------------------
 def _module(model_or_engine):
     """The nn.Module inside a DeepSpeedEngine (or the module itself)."""
-    return model_or_engine.module if isinstance(model_or_engine, deepspeed.DeepSpeedEngine) else model_or_engine
+    return (
+        model_or_engine.module
+        if isinstance(model_or_engine, deepspeed.DeepSpeedEngine)
+        else model_or_engine
+    )
 
 
 def is_zero3(model_or_engine):
@@ -48,8 +78,10 @@ def is_zero3(model_or_engine):
 
 def is_sharded(model_or_engine):
     """True under ZeRO-3 while at least one parameter is not gathered (forward needs all ranks)."""
-    return any(getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
-               for p in _module(model_or_engine).parameters())
+    return any(
+        getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
+        for p in _module(model_or_engine).parameters()
+    )
 
 
 def gathered(params_or_module, enabled=True):
@@ -58,8 +90,11 @@ def gathered(params_or_module, enabled=True):
     A no-op (nullcontext) when disabled or when no parameter is a ZeRO-3 parameter, so the
     same code runs under DDP, ZeRO-2 or on one process. Read-only: changes are not scattered back.
     """
-    params = list(params_or_module.parameters()) if isinstance(params_or_module, torch.nn.Module) \
+    params = (
+        list(params_or_module.parameters())
+        if isinstance(params_or_module, torch.nn.Module)
         else list(params_or_module)
+    )
     if not enabled or not any(hasattr(p, "ds_id") for p in params):
         return nullcontext()
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
@@ -73,8 +108,10 @@ def _ds_parameter_offload(engine):
     opt = getattr(engine, "optimizer", None)
     offload = getattr(opt, "parameter_offload", opt)
     if offload is None or not hasattr(offload, "forward_hooks"):
-        raise TypeError("remove_hooks/restore_hooks need the DeepSpeedEngine returned by deepspeed.initialize "
-                        f"with ZeRO stage 3, got {type(engine).__name__}")
+        raise TypeError(
+            "remove_hooks/restore_hooks need the DeepSpeedEngine returned by deepspeed.initialize "
+            f"with ZeRO stage 3, got {type(engine).__name__}"
+        )
     return offload
 
 
@@ -125,7 +162,10 @@ def _ds_remove_hooks_of(offload, modules):
     for p in offload.module.parameters():
         p.ds_active_sub_modules.clear()
     dicts = {id(d) for m in modules for d in (m._forward_pre_hooks, m._forward_hooks)}
-    ours = lambda h: h.hooks_dict_ref() is not None and id(h.hooks_dict_ref()) in dicts  # noqa: E731
+
+    def ours(h):  # a handle registered on one of `modules`
+        return h.hooks_dict_ref() is not None and id(h.hooks_dict_ref()) in dicts
+
     for h in offload.forward_hooks + offload.backward_hooks:
         if ours(h):
             h.remove()
@@ -175,7 +215,8 @@ def partially_gathered(engine, budget_bytes):
 
 # ---------------------------------------------------------------- streaming full weights
 def _groups(sized, max_numel):
-    """Split [(item, numel)] into consecutive groups of <= max_numel elements (a larger item alone)."""
+    """Split [(item, numel)] into consecutive groups of <= max_numel elements (a larger item
+    alone)."""
     group, size = [], 0
     for item, n in sized:
         if group and size + n > max_numel:
@@ -199,15 +240,22 @@ def _lora_units(model):
             continue
         A, B, W = m.lora_A["default"].weight, m.lora_B["default"].weight, m.base_layer.weight
 
-        def merge(W, A, B, scale=m.scaling["default"]):  # (out, in) + (out, r) @ (r, in), a new tensor
+        def merge(
+            W, A, B, scale=m.scaling["default"]
+        ):  # (out, in) + (out, r) @ (r, in), a new tensor
             return torch.addmm(W, B.to(W.dtype), A.to(W.dtype), alpha=scale)
+
         merged[id(W)] = (f"{name.removeprefix(prefix)}.weight", [W, A, B], merge)
         adapters.update(id(p) for p in (*m.lora_A.parameters(), *m.lora_B.parameters()))
     if not merged:
         return None
-    return [merged[id(p)] if id(p) in merged else
-            (name.removeprefix(prefix).replace(".base_layer.", "."), [p], None)
-            for name, p in model.named_parameters() if id(p) not in adapters]
+    return [
+        merged[id(p)]
+        if id(p) in merged
+        else (name.removeprefix(prefix).replace(".base_layer.", "."), [p], None)
+        for name, p in model.named_parameters()
+        if id(p) not in adapters
+    ]
 
 
 @torch.no_grad()
@@ -228,8 +276,10 @@ def iter_full_params(model_or_engine, max_numel=2**26):
     units = _lora_units(model)
     if units is None:
         units = [(name, [p], None) for name, p in model.named_parameters()]
-    for group in _groups([(u, sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for p in u[1]))
-                          for u in units], max_numel):
+    for group in _groups(
+        [(u, sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for p in u[1])) for u in units],
+        max_numel,
+    ):
         with gathered([p for (_, params, _), _ in group for p in params]):
             for (name, params, merge), _ in group:
                 yield name, (params[0].data if merge is None else merge(*(p.data for p in params)))
@@ -244,7 +294,7 @@ def save_hf(engine_or_model, tokenizer, path, max_shard_bytes=2 * 2**30):
     from safetensors.torch import save_file
 
     model = _module(engine_or_model)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = process_rank()
     if rank == 0:
         os.makedirs(path, exist_ok=True)
     shards, shard, shard_bytes = [], {}, 0
@@ -288,7 +338,9 @@ def frozen_engine(model, ds_config, offload=False):
     stage 3 is forced. offload=True keeps the parameter partitions in CPU memory (fetched to the
     device layer by layer). Returns the engine in eval mode with requires_grad off.
     """
-    cfg = copy.deepcopy(load_ds_config(ds_config) if isinstance(ds_config, (str, os.PathLike)) else ds_config)
+    cfg = copy.deepcopy(
+        load_ds_config(ds_config) if isinstance(ds_config, (str, os.PathLike)) else ds_config
+    )
     for key in ("optimizer", "scheduler"):
         cfg.pop(key, None)
     zero = cfg.setdefault("zero_optimization", {})
@@ -300,7 +352,10 @@ def frozen_engine(model, ds_config, offload=False):
         zero.pop("offload_param", None)
     leftover = _auto_paths(cfg)
     if leftover:
-        raise ValueError(f"frozen_engine: ds_config still has \"auto\" at {leftover}; pass it through load_ds_config first")
+        raise ValueError(
+            f'frozen_engine: ds_config still has "auto" at {leftover}; pass it through '
+            "load_ds_config first"
+        )
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     engine.eval()
@@ -323,8 +378,10 @@ def _set(cfg, dotted, value):
         cfg = cfg.setdefault(p, {})
     old = cfg.get(key, "auto")
     if old not in ("auto", value):
-        raise ValueError(f"DeepSpeed config sets {dotted}={old!r} but the script asks for {value!r}: "
-                         f"make them agree, or write \"auto\" in the JSON to take the script's value")
+        raise ValueError(
+            f"DeepSpeed config sets {dotted}={old!r} but the script asks for {value!r}: "
+            f'make them agree, or write "auto" in the JSON to take the script\'s value'
+        )
     cfg[key] = value
 
 
@@ -346,20 +403,26 @@ def load_ds_config(path_or_dict, world_size=None, hidden_size=None, **overrides)
         _set(cfg, key, value)
     zero = cfg.get("zero_optimization", {})
     if hidden_size:
-        for key, value in (("reduce_bucket_size", hidden_size * hidden_size),
-                           ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
-                           ("stage3_param_persistence_threshold", 10 * hidden_size)):
+        for key, value in (
+            ("reduce_bucket_size", hidden_size * hidden_size),
+            ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+            ("stage3_param_persistence_threshold", 10 * hidden_size),
+        ):
             if zero.get(key) == "auto":
                 zero[key] = value
     if world_size is None:
-        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        world_size = (
+            dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        )
     names = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
     micro, accum, total = (cfg.get(k) if cfg.get(k) != "auto" else None for k in names)
     if accum is None and (micro is None or total is None):
         accum = 1  # DeepSpeed's default when it cannot be derived
     if total is None:
         if micro is None or accum is None:
-            raise ValueError(f"DeepSpeed config: set at least two of {names} (or pass them to load_ds_config)")
+            raise ValueError(
+                f"DeepSpeed config: set at least two of {names} (or pass them to load_ds_config)"
+            )
         total = micro * accum * world_size
     elif micro is None:
         micro = total // (accum * world_size)
@@ -367,12 +430,17 @@ def load_ds_config(path_or_dict, world_size=None, hidden_size=None, **overrides)
         accum = total // (micro * world_size)
     if micro * accum * world_size != total or min(micro, accum) < 1:
         raise ValueError(
-            f"DeepSpeed config: train_batch_size={total} but train_micro_batch_size_per_gpu={micro} x "
-            f"gradient_accumulation_steps={accum} x world_size={world_size} = {micro * accum * world_size}; "
-            f"set train_batch_size to \"auto\" or change the micro-batch size / accumulation steps")
+            f"DeepSpeed config: train_batch_size={total} but "
+            f"train_micro_batch_size_per_gpu={micro} x "
+            f"gradient_accumulation_steps={accum} x world_size={world_size} = "
+            f"{micro * accum * world_size}; "
+            f'set train_batch_size to "auto" or change the micro-batch size / accumulation steps'
+        )
     cfg.update(zip(names, (micro, accum, total)))
     leftover = _auto_paths(cfg)
     if leftover:
-        raise ValueError(f"DeepSpeed config leaves {leftover} at \"auto\"; pass values for them "
-                         f"(e.g. load_ds_config(path, **{{'{leftover[0]}': ...}})) or write them in the JSON")
+        raise ValueError(
+            f'DeepSpeed config leaves {leftover} at "auto"; pass values for them '
+            f"(e.g. load_ds_config(path, **{{'{leftover[0]}': ...}})) or write them in the JSON"
+        )
     return cfg

@@ -5,7 +5,8 @@ resident), vLLM with vllm_batch_size off / on, plus the vLLM weight sync. Per mo
 (all ranks' completion tokens over the slowest rank's wall time), the peak bytes of full parameters
 held by one rank while generating (HF modes; vLLM holds a full copy plus its KV cache), and the
 peak RSS rise of the process during the mode (gather included; meaningful on CPU with
---mmap_rss, which makes freed memory leave the process but slows every mode). Ratios are the point, not the absolute numbers.
+--mmap_rss, which makes freed memory leave the process but slows every mode). Ratios are the point,
+not the absolute numbers.
 
     torchrun --nproc_per_node 2 bench/generation.py --hidden_size 1024 --num_layers 8
 """
@@ -24,18 +25,28 @@ import torch.distributed as dist
 # This file is named like the module it measures: put the repo root first, not bench/.
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
 @dataclass
 class Args:
-    out_dir: str = field(default="runs/bench-generation", metadata={"help": "model and results go here"})
+    out_dir: str = field(
+        default="runs/bench-generation", metadata={"help": "model and results go here"}
+    )
     hidden_size: int = field(default=1024, metadata={"help": "model width (multiple of 64)"})
     num_layers: int = field(default=8, metadata={"help": "decoder layers"})
     prompts_per_rank: int = field(default=16, metadata={"help": "prompts per rank"})
     max_new_tokens: int = field(default=32, metadata={"help": "tokens generated per prompt"})
     batch_size: int = field(default=16, metadata={"help": "HF sequences per generate call"})
-    vllm_batch_size: int = field(default=4, metadata={"help": "prompts per vLLM call in the 'on' mode"})
+    vllm_batch_size: int = field(
+        default=4, metadata={"help": "prompts per vLLM call in the 'on' mode"}
+    )
     skip_vllm: bool = field(default=False, metadata={"help": "HF modes only"})
-    mmap_rss: bool = field(default=False, metadata={"help": "CPU: serve large allocations from mmap so RSS "
-                                                             "tracks live memory (slows every mode down)"})
+    mmap_rss: bool = field(
+        default=False,
+        metadata={
+            "help": "CPU: serve large allocations from mmap so RSS "
+            "tracks live memory (slows every mode down)"
+        },
+    )
 
 
 class PeakRSS:
@@ -64,7 +75,8 @@ class PeakRSS:
 
 
 class PeakParams:
-    """Forward pre-hooks (after ZeRO-3's fetch hooks) record the most full-parameter bytes held at once."""
+    """Forward pre-hooks (after ZeRO-3's fetch hooks) record the most full-parameter bytes held at
+    once."""
 
     def __init__(self, model):
         self.model, self.peak = model, 0
@@ -75,8 +87,11 @@ class PeakParams:
         return self
 
     def record(self, *_):
-        held = sum(p.data.numel() * p.element_size() for p in self.params
-                   if p.data.numel() == getattr(p, "ds_numel", p.numel()))
+        held = sum(
+            p.data.numel() * p.element_size()
+            for p in self.params
+            if p.data.numel() == getattr(p, "ds_numel", p.numel())
+        )
         self.peak = max(self.peak, held)
 
     def __exit__(self, *exc):
@@ -118,38 +133,67 @@ def main():
     dist.barrier()
     tok = AutoTokenizer.from_pretrained(path)
     words = "the cat sat on a mat while 42 dogs ran past quickly".split()
-    prompts = [tok(" ".join(words[(rank * 7 + i) % len(words):][:3 + i % 5]))["input_ids"]
-               for i in range(a.prompts_per_rank)]
+    prompts = [
+        tok(" ".join(words[(rank * 7 + i) % len(words) :][: 3 + i % 5]))["input_ids"]
+        for i in range(a.prompts_per_rank)
+    ]
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
-           "steps_per_print": 10**9,
-           # HF's "auto" persistence and prefetch, no reuse-distance caching and at most ~2 decoder
-           # layers live, so "sharded" frees layers after use as it would for a model far larger
-           # than these knobs (DeepSpeed's 1e9 defaults keep a model this small entirely resident).
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10 * a.hidden_size,
-                                 "stage3_prefetch_bucket_size": int(0.9 * a.hidden_size**2),
-                                 "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 20 * a.hidden_size**2}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
-                                      config=cfg)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        # HF's "auto" persistence and prefetch, no reuse-distance caching and at most ~2 decoder
+        # layers live, so "sharded" frees layers after use as it would for a model far larger
+        # than these knobs (DeepSpeed's 1e9 defaults keep a model this small entirely resident).
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 10 * a.hidden_size,
+            "stage3_prefetch_bucket_size": int(0.9 * a.hidden_size**2),
+            "stage3_max_reuse_distance": 0,
+            "stage3_max_live_parameters": 20 * a.hidden_size**2,
+        },
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5), config=cfg
+    )
     rows = []
 
     def record(name, seconds, tokens, params_bytes, rss):
-        rows.append({"mode": name, "tokens_per_s": total(tokens) / seconds, "seconds": seconds,
-                     "param_mib_per_rank": params_bytes / 2**20, "rss_rise_mib": rss / 2**20})
+        rows.append(
+            {
+                "mode": name,
+                "tokens_per_s": total(tokens) / seconds,
+                "seconds": seconds,
+                "param_mib_per_rank": params_bytes / 2**20,
+                "rss_rise_mib": rss / 2**20,
+            }
+        )
         if rank == 0:
             print(f"{name}: {rows[-1]}", flush=True)
 
-    hf_modes = [("HF, ZeRO-3 gathered", dict(gather=True)), ("HF, ZeRO-3 sharded", dict(gather=False)),
-                ("HF, ZeRO-3 middle (1/2 resident)", dict(gather=False, resident_bytes=model_bytes // 2))]
+    hf_modes = [
+        ("HF, ZeRO-3 gathered", dict(gather=True)),
+        ("HF, ZeRO-3 sharded", dict(gather=False)),
+        ("HF, ZeRO-3 middle (1/2 resident)", dict(gather=False, resident_bytes=model_bytes // 2)),
+    ]
     for name, kw in hf_modes:
         with unwrap_for_generation(engine, **kw) as m:
             generate_hf(m, prompts[:2], max_new_tokens=2, greedy=True)  # warm-up
-        with PeakRSS() as rss, unwrap_for_generation(engine, **kw) as m, PeakParams(m) as pp:  # gather included
-            out, sec = timed(lambda: generate_hf(m, prompts, batch_size=a.batch_size,
-                                                 max_new_tokens=a.max_new_tokens, greedy=True))
+        # gather included
+        with PeakRSS() as rss, unwrap_for_generation(engine, **kw) as m, PeakParams(m) as pp:
+            out, sec = timed(
+                lambda: generate_hf(
+                    m,
+                    prompts,
+                    batch_size=a.batch_size,
+                    max_new_tokens=a.max_new_tokens,
+                    greedy=True,
+                )
+            )
         record(name, sec, out.completion_mask.sum().item(), pp.peak, rss.peak - rss.base)
 
     if not a.skip_vllm:
@@ -160,29 +204,49 @@ def main():
         _, sync_s = timed(lambda: gen.sync_weights(engine))
         if rank == 0:
             print(f"vLLM weight sync: {sync_s:.2f} s", flush=True)
-        for name, size in (("vLLM, vllm_batch_size off", 0), (f"vLLM, vllm_batch_size={a.vllm_batch_size}", a.vllm_batch_size)):
+        for name, size in (
+            ("vLLM, vllm_batch_size off", 0),
+            (f"vLLM, vllm_batch_size={a.vllm_batch_size}", a.vllm_batch_size),
+        ):
             gen.vllm_batch_size = size
             with PeakRSS() as rss:
-                out, sec = timed(lambda: gen.generate(prompts, max_new_tokens=a.max_new_tokens, greedy=True))
+                out, sec = timed(
+                    lambda: gen.generate(prompts, max_new_tokens=a.max_new_tokens, greedy=True)
+                )
             record(name, sec, out.completion_mask.sum().item(), model_bytes, rss.peak - rss.base)
 
     if rank == 0:
         by = {r["mode"]: r for r in rows}
         g, s = by["HF, ZeRO-3 gathered"], by["HF, ZeRO-3 sharded"]
-        lines = [f"CPU, {world} ranks, Llama h={a.hidden_size} x {a.num_layers} layers ({n_params / 1e6:.0f}M params, "
-                 f"fp32 {model_bytes / 2**20:.0f} MiB), {a.prompts_per_rank} prompts/rank x {a.max_new_tokens} new tokens, greedy",
-                 "", "| mode | tokens/s (all ranks) | full params held per rank (MiB) | RSS rise (MiB) |",
-                 "| --- | ---: | ---: | ---: |"]
-        lines += [f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r['param_mib_per_rank']:.0f} | {r['rss_rise_mib']:.0f} |"
-                  for r in rows]
-        lines += ["", f"gathered / sharded: {g['tokens_per_s'] / s['tokens_per_s']:.2f}x tokens/s, "
-                      f"{g['param_mib_per_rank'] / max(s['param_mib_per_rank'], 1e-9):.1f}x parameter memory per rank"]
+        lines = [
+            f"CPU, {world} ranks, Llama h={a.hidden_size} x {a.num_layers} layers "
+            f"({n_params / 1e6:.0f}M params, "
+            f"fp32 {model_bytes / 2**20:.0f} MiB), {a.prompts_per_rank} prompts/rank x "
+            f"{a.max_new_tokens} new tokens, greedy",
+            "",
+            "| mode | tokens/s (all ranks) | full params held per rank (MiB) | RSS rise (MiB) |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r['param_mib_per_rank']:.0f} | "
+            f"{r['rss_rise_mib']:.0f} |"
+            for r in rows
+        ]
+        lines += [
+            "",
+            f"gathered / sharded: {g['tokens_per_s'] / s['tokens_per_s']:.2f}x tokens/s, "
+            f"{g['param_mib_per_rank'] / max(s['param_mib_per_rank'], 1e-9):.1f}x parameter memory "
+            "per rank",
+        ]
         if not a.skip_vllm:
             v0 = by["vLLM, vllm_batch_size off"]
             vb = rows[-1]
-            lines += [f"vLLM / HF gathered: {v0['tokens_per_s'] / g['tokens_per_s']:.2f}x tokens/s; "
-                      f"vllm_batch_size={a.vllm_batch_size} / off: {vb['tokens_per_s'] / v0['tokens_per_s']:.2f}x tokens/s; "
-                      f"weight sync {sync_s:.2f} s"]
+            lines += [
+                f"vLLM / HF gathered: {v0['tokens_per_s'] / g['tokens_per_s']:.2f}x tokens/s; "
+                f"vllm_batch_size={a.vllm_batch_size} / off: "
+                f"{vb['tokens_per_s'] / v0['tokens_per_s']:.2f}x tokens/s; "
+                f"weight sync {sync_s:.2f} s"
+            ]
         print("\n".join(lines), flush=True)
         with open(os.path.join(a.out_dir, "results.json"), "w") as f:
             json.dump({"args": asdict(a), "rows": rows, "table": lines}, f, indent=2)

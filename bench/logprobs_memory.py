@@ -1,8 +1,8 @@
 """Peak memory and wall time of per-token log-probs, forward + backward, at a real head shape.
 
-    python bench/logprobs_memory.py                          # Qwen2.5-0.5B head, fp32, 4x512 and 8x1024
+    python bench/logprobs_memory.py                  # Qwen2.5-0.5B head, fp32, 4x512 and 8x1024
     python bench/logprobs_memory.py --shapes 16x512 --methods fused_logps,liger
-    python bench/logprobs_memory.py --quick                  # small V, seconds (used by run.sh's smoke mode)
+    python bench/logprobs_memory.py --quick          # small V, seconds (run.sh's smoke mode)
 
 Methods (each in its own subprocess, so one method's peak never hides another's):
   naive                  logits = h @ W.T (B, T, V); log_softmax; gather
@@ -32,8 +32,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIGER_DIR = os.path.join(ROOT, "bench", ".liger")
 LIGER_VERSION = "0.8.5"
-METHODS = ["naive", "per_token_logps", "selective_log_softmax", "fused_logps",
-           "fused_logps_softcap", "liger"]
+METHODS = [
+    "naive",
+    "per_token_logps",
+    "selective_log_softmax",
+    "fused_logps",
+    "fused_logps_softcap",
+    "liger",
+]
 GEMMA2_SOFTCAP = 30.0  # Gemma-2's final_logit_softcapping
 MiB = 2**20
 
@@ -85,7 +91,8 @@ def worker(method, B, T, H, V, device, chunk_size, vocab_chunk_size):
         weight = torch.nn.Parameter((torch.randn(V, H, generator=g) * 0.02).to(device))
         targets = torch.randint(0, V, (B, T), generator=g).to(device)
         upstream = torch.randn(B, T, generator=g).to(device)
-        ids = torch.cat([torch.arange(B)[:, None].to(device), targets], 1)  # (B, T + 1) row id, then targets
+        # (B, T + 1) row id, then targets
+        ids = torch.cat([torch.arange(B)[:, None].to(device), targets], 1)
         return hidden, weight, targets, upstream, ids
 
     def step(hidden, weight, targets, upstream, ids):
@@ -93,14 +100,24 @@ def worker(method, B, T, H, V, device, chunk_size, vocab_chunk_size):
         if method == "naive":
             logp = (h @ weight.t()).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
         elif method == "per_token_logps":
-            logp = per_token_logps(HeadOnly(hidden, weight), ids, torch.ones_like(ids), T_, batch_size=1)
+            logp = per_token_logps(
+                HeadOnly(hidden, weight), ids, torch.ones_like(ids), T_, batch_size=1
+            )
         elif method == "selective_log_softmax":
             logp = selective_log_softmax(h @ weight.t(), targets)
         elif method == "fused_logps":
-            logp = fused_logps(h, weight, targets, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+            logp = fused_logps(
+                h, weight, targets, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size
+            )
         elif method == "fused_logps_softcap":
-            logp = fused_logps(h, weight, targets, chunk_size=chunk_size,
-                               vocab_chunk_size=vocab_chunk_size, softcap=GEMMA2_SOFTCAP)
+            logp = fused_logps(
+                h,
+                weight,
+                targets,
+                chunk_size=chunk_size,
+                vocab_chunk_size=vocab_chunk_size,
+                softcap=GEMMA2_SOFTCAP,
+            )
         elif method == "liger":
             logp = LigerFusedLinearPPOBase.chunk_forward(h, weight, targets)
         (logp.float() * upstream).sum().backward()
@@ -126,29 +143,64 @@ def worker(method, B, T, H, V, device, chunk_size, vocab_chunk_size):
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     peak = torch.cuda.max_memory_allocated() if cuda else rss_bytes("VmHWM")
     weight_grad = V * H * 4
-    return {"method": method, "B": B, "T": T, "seconds": seconds, "cpu_seconds": cpu_seconds,
-            "extra_mib": (peak - base - weight_grad) / MiB, "weight_grad_mib": weight_grad / MiB,
-            "logp_sum": float(logp.detach().float().sum()), "device": device}
+    return {
+        "method": method,
+        "B": B,
+        "T": T,
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "extra_mib": (peak - base - weight_grad) / MiB,
+        "weight_grad_mib": weight_grad / MiB,
+        "logp_sum": float(logp.detach().float().sum()),
+        "device": device,
+    }
 
 
 def ensure_liger():
     if os.path.isdir(os.path.join(LIGER_DIR, "liger_kernel")):
         return
-    print(f"installing liger-kernel=={LIGER_VERSION} into {os.path.relpath(LIGER_DIR, ROOT)} (--no-deps)", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", LIGER_DIR,
-                    f"liger-kernel=={LIGER_VERSION}"], check=True)
+    print(
+        f"installing liger-kernel=={LIGER_VERSION} into {os.path.relpath(LIGER_DIR, ROOT)} "
+        "(--no-deps)",
+        flush=True,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            LIGER_DIR,
+            f"liger-kernel=={LIGER_VERSION}",
+        ],
+        check=True,
+    )
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shapes", default="4x512,8x1024", help="comma-separated BxT")
     ap.add_argument("--hidden", type=int, default=896, help="H (Qwen2.5-0.5B: 896)")
     ap.add_argument("--vocab", type=int, default=151936, help="V (Qwen2.5: 151936)")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--chunk_size", type=int, default=None, help="fused_logps rows per tile (default: its default)")
-    ap.add_argument("--vocab_chunk_size", type=int, default=None, help="fused_logps vocabulary entries per tile")
+    ap.add_argument(
+        "--chunk_size",
+        type=int,
+        default=None,
+        help="fused_logps rows per tile (default: its default)",
+    )
+    ap.add_argument(
+        "--vocab_chunk_size", type=int, default=None, help="fused_logps vocabulary entries per tile"
+    )
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (V=4096, 2x64): a smoke run in seconds")
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny shapes (V=4096, 2x64): a smoke run in seconds"
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "logprobs_memory.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -165,7 +217,13 @@ def main():
 
     if a.worker:  # inside the subprocess
         B, T = map(int, a.shapes.split("x"))
-        print(json.dumps(worker(a.worker, B, T, a.hidden, a.vocab, a.device, a.chunk_size, a.vocab_chunk_size)))
+        print(
+            json.dumps(
+                worker(
+                    a.worker, B, T, a.hidden, a.vocab, a.device, a.chunk_size, a.vocab_chunk_size
+                )
+            )
+        )
         return
 
     if "liger" in methods:
@@ -173,38 +231,74 @@ def main():
     rows = []
     for shape in a.shapes.split(","):
         for m in methods:
-            cmd = [sys.executable, __file__, "--worker", m, "--shapes", shape, "--hidden", str(a.hidden),
-                   "--vocab", str(a.vocab), "--device", a.device]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                m,
+                "--shapes",
+                shape,
+                "--hidden",
+                str(a.hidden),
+                "--vocab",
+                str(a.vocab),
+                "--device",
+                a.device,
+            ]
             for knob in ("chunk_size", "vocab_chunk_size"):
                 if getattr(a, knob):
                     cmd += [f"--{knob}", str(getattr(a, knob))]
             # Passive OpenMP waits: CPU time then counts work, not spinning, on a shared machine.
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+            proc = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+            )
             if proc.returncode != 0:
-                print(f"{m} {shape}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}", flush=True)
+                print(
+                    f"{m} {shape}: failed (exit {proc.returncode})\n{proc.stderr[-2000:]}",
+                    flush=True,
+                )
                 rows.append({"method": m, "shape": shape, "failed": proc.returncode})
                 continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             r["shape"] = shape
             rows.append(r)
-            print(f"{shape:>8} {m:<22} {r['extra_mib']:9.0f} MiB extra {r['seconds']:8.2f} s "
-                  f"{r['cpu_seconds']:8.2f} CPU s", flush=True)
+            print(
+                f"{shape:>8} {m:<22} {r['extra_mib']:9.0f} MiB extra {r['seconds']:8.2f} s "
+                f"{r['cpu_seconds']:8.2f} CPU s",
+                flush=True,
+            )
 
-    print(f"\nH={a.hidden} V={a.vocab} fp32 {a.device}; extra = peak over inputs, less the "
-          f"{a.vocab * a.hidden * 4 / MiB:.0f} MiB weight gradient; time = forward + backward, wall and "
-          "CPU (process time, all threads; steadier than wall on a shared machine)\n")
+    print(
+        f"\nH={a.hidden} V={a.vocab} fp32 {a.device}; extra = peak over inputs, less the "
+        f"{a.vocab * a.hidden * 4 / MiB:.0f} MiB weight gradient; time = forward + backward, wall "
+        "and "
+        "CPU (process time, all threads; steadier than wall on a shared machine)\n"
+    )
     print("| B x T | method | extra memory (MiB) | vs naive | wall (s) | CPU (s) | CPU vs naive |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for shape in a.shapes.split(","):
-        naive = next((r for r in rows if r["shape"] == shape and r["method"] == "naive" and "failed" not in r), None)
+        naive = next(
+            (
+                r
+                for r in rows
+                if r["shape"] == shape and r["method"] == "naive" and "failed" not in r
+            ),
+            None,
+        )
         for r in (r for r in rows if r["shape"] == shape):
             if "failed" in r:
                 print(f"| {shape} | {r['method']} | failed | | | | |")
                 continue
             mem_ratio = f"{r['extra_mib'] / naive['extra_mib']:.3f}" if naive else ""
             time_ratio = f"{r['cpu_seconds'] / naive['cpu_seconds']:.2f}x" if naive else ""
-            print(f"| {shape} | {r['method']} | {r['extra_mib']:.0f} | {mem_ratio} | {r['seconds']:.2f} "
-                  f"| {r['cpu_seconds']:.2f} | {time_ratio} |")
+            print(
+                f"| {shape} | {r['method']} | {r['extra_mib']:.0f} | {mem_ratio} | "
+                f"{r['seconds']:.2f} "
+                f"| {r['cpu_seconds']:.2f} | {time_ratio} |"
+            )
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(rows, f, indent=1)

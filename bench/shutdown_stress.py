@@ -1,7 +1,7 @@
 """Do finished runs exit 0, every time? Short 2-process ZeRO-3 runs of grpo.py and ppo.py, repeated
 while other processes keep every core busy; counts the runs whose torchrun exit code is not 0.
 
-    python bench/shutdown_stress.py --runs 30                  # 15 GRPO + 15 PPO, 2 busy-loop loaders
+    python bench/shutdown_stress.py --runs 30          # 15 GRPO + 15 PPO, 2 busy-loop loaders
     python bench/shutdown_stress.py --runs 10 --loops ppo --loaders 4
 
 Each run trains 2 steps (tiny model, the built-in task, held-out eval and final save included, so
@@ -20,9 +20,24 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMON = ["--ds_config", "configs/zero3.json", "--max_steps", "2", "--num_generations", "2",
-          "--prompts_per_rank", "4", "--num_eval_prompts", "4", "--eval_steps", "0"]
-PER_LOOP = {"grpo": ["--per_device_train_batch_size", "4"], "ppo": ["--micro_train_batch_size", "4"]}
+COMMON = [
+    "--ds_config",
+    "configs/zero3.json",
+    "--max_steps",
+    "2",
+    "--num_generations",
+    "2",
+    "--prompts_per_rank",
+    "4",
+    "--num_eval_prompts",
+    "4",
+    "--eval_steps",
+    "0",
+]
+PER_LOOP = {
+    "grpo": ["--per_device_train_batch_size", "4"],
+    "ppo": ["--micro_train_batch_size", "4"],
+}
 
 
 def busy():
@@ -37,14 +52,32 @@ def free_port():
 
 
 def one_run(loop, run_dir, log_path, timeout):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), f"{loop}.py", *COMMON, *PER_LOOP[loop],
-           "--run_dir", run_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        f"{loop}.py",
+        *COMMON,
+        *PER_LOOP[loop],
+        "--run_dir",
+        run_dir,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     with open(log_path, "w") as log:
         try:
-            return subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=timeout, start_new_session=True).returncode
+            return subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                start_new_session=True,
+            ).returncode
         except subprocess.TimeoutExpired:
             return "timeout"
 
@@ -83,8 +116,10 @@ def main():
         for proc in loaders:
             proc.terminate()
     for loop in loops:
-        print(f"{loop}: exits != 0: {len(bad[loop])} of {done[loop]}"
-              + (f" (runs {bad[loop]}, logs in {a.out})" if bad[loop] else ""))
+        print(
+            f"{loop}: exits != 0: {len(bad[loop])} of {done[loop]}"
+            + (f" (runs {bad[loop]}, logs in {a.out})" if bad[loop] else "")
+        )
     return 1 if any(bad.values()) else 0
 
 

@@ -43,23 +43,51 @@ def free_port():
 
 
 def torchrun(script, *args, nproc=2, timeout=600, env=None):
-    """Run `script` under `torchrun --nproc_per_node nproc` on CPU; fail the test with its output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", script, *map(str, args)]
-    full_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    """Run `script` under `torchrun --nproc_per_node nproc` on CPU; fail the test with its
+    output."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        script,
+        *map(str, args),
+    ]
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
-                    f"\n--- stderr ---\n{proc.stderr[-6000:]}")
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
+            f"\n--- stderr ---\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
 def run_sh(algo, *args, env=None, timeout=600, wait=True):
     """`bash run.sh <algo> args` on 2 CPU processes; its output (wait=False: the running Popen)."""
-    full_env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "NPROC": "2", **(env or {})}
-    proc = subprocess.Popen(["bash", "run.sh", algo, *map(str, args)], cwd=ROOT, env=full_env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    full_env = {
+        **os.environ,
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        "NPROC": "2",
+        **(env or {}),
+    }
+    proc = subprocess.Popen(
+        ["bash", "run.sh", algo, *map(str, args)],
+        cwd=ROOT,
+        env=full_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     return finish(proc, timeout) if wait else proc
 
 

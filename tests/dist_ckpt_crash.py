@@ -3,10 +3,12 @@
 crash: a tiny-model ZeRO-3 engine trains 2 steps, saves step 2 (and its gathered weights to
        DIR/want.pt), trains 2 more, and during the save of step 4 rank 0 SIGKILLs itself when it
        writes its 2nd file (torch.save wrapped): the save is cut off halfway.
-load:  fresh processes, fresh engine: `latest` names step2, load_checkpoint returns 2 and the weights
-       are exactly the saved ones; the engine trains on, and a new save of step 4 clears the leftovers.
+load:  fresh processes, fresh engine: `latest` names step2, load_checkpoint returns 2 and the
+       weights are exactly the saved ones; the engine trains on, and a new save of step 4 clears
+       the leftovers.
 Usage: torchrun --nproc_per_node 2 tests/dist_ckpt_crash.py crash|load MODEL_DIR DIR
 """
+
 import os
 import sys
 
@@ -22,13 +24,17 @@ mode, model_dir, out = sys.argv[1:4]
 ckpt_dir = os.path.join(out, "checkpoints")
 deepspeed.init_distributed(dist_backend="gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+config = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 lr_scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 10)  # noqa: E731
-engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                  lr_scheduler=lr_scheduler)
+engine, *_ = deepspeed.initialize(
+    model=model, model_parameters=model.parameters(), config=config, lr_scheduler=lr_scheduler
+)
 run_config = {"seed": 0, "world_size": world}
 
 
@@ -73,17 +79,20 @@ assert not os.path.exists(os.path.join(ckpt_dir, "step4"))
 assert latest_checkpoint(ckpt_dir) == os.path.join(ckpt_dir, "step2"), latest_checkpoint(ckpt_dir)
 saved = torch.load(os.path.join(out, "want.pt"))
 before = weights()
-assert any(not torch.equal(before[n], w) for n, w in saved["weights"].items())  # a fresh model differs
+# a fresh model differs
+assert any(not torch.equal(before[n], w) for n, w in saved["weights"].items())
 assert load_checkpoint({"policy": engine}, ckpt_dir) == 2
 got = weights()
 for n, w in saved["weights"].items():
     assert torch.equal(got[n], w), n  # exactly the weights that were saved
-assert engine.global_steps == 2 and engine.get_lr()[0] == saved["lr"]  # step counter and LR schedule restored
+# step counter and LR schedule restored
+assert engine.global_steps == 2 and engine.get_lr()[0] == saved["lr"]
 for step in range(2, 4):
     train_step(step)  # the loaded optimizer state trains on
 save_checkpoint({"policy": engine}, ckpt_dir, 4, run_config)
 if rank == 0:
-    assert sorted(os.listdir(ckpt_dir)) == ["latest", "step2", "step4"], os.listdir(ckpt_dir)  # no .tmp-step4
+    # no .tmp-step4
+    assert sorted(os.listdir(ckpt_dir)) == ["latest", "step2", "step4"], os.listdir(ckpt_dir)
     assert latest_checkpoint(ckpt_dir) == os.path.join(ckpt_dir, "step4")
 dist.barrier()
 print(f"rank {rank}: ok")

@@ -15,16 +15,25 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from logprobs import positions_from_mask, model_logps
+from logprobs import model_logps, positions_from_mask
 
 
 def naive_logps(model, ids, mask, K, temperature):
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False).logits
-    return (logits[:, -K - 1 : -1] / temperature).log_softmax(-1).gather(-1, ids[:, -K:, None]).squeeze(-1)
+    logits = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False
+    ).logits
+    return (
+        (logits[:, -K - 1 : -1] / temperature)
+        .log_softmax(-1)
+        .gather(-1, ids[:, -K:, None])
+        .squeeze(-1)
+    )
 
 
 def fused(model, ids, mask, K, temperature):
-    logp, entropy = model_logps(model, ids, mask, K, temperature, chunk_size=7, return_entropy=True, vocab_chunk_size=32)
+    logp, entropy = model_logps(
+        model, ids, mask, K, temperature, chunk_size=7, return_entropy=True, vocab_chunk_size=32
+    )
     return logp, entropy
 
 
@@ -32,8 +41,13 @@ def step(model, stage, use_fused, ids, mask, K, gc):
     base = copy.deepcopy(model)
     if gc:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    config = {"train_micro_batch_size_per_gpu": ids.shape[0], "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
+    config = {
+        "train_micro_batch_size_per_gpu": ids.shape[0],
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+    }
     opt = torch.optim.SGD(base.parameters(), lr=0.5)
     engine, *_ = deepspeed.initialize(model=base, optimizer=opt, config=config)
     engine.train()
@@ -43,7 +57,12 @@ def step(model, stage, use_fused, ids, mask, K, gc):
         loss = -(logp * mask[:, -K:]).sum() / mask[:, -K:].sum() - 0.1 * entropy.mean()
     else:
         logp = naive_logps(engine, ids, mask, K, T)
-        logits = engine(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False).logits
+        logits = engine(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions_from_mask(mask),
+            use_cache=False,
+        ).logits
         lp_all = (logits[:, -K - 1 : -1] / T).log_softmax(-1)
         entropy = -(lp_all.exp() * lp_all).sum(-1)
         loss = -(logp * mask[:, -K:]).sum() / mask[:, -K:].sum() - 0.1 * entropy.mean()
@@ -83,10 +102,15 @@ def main():
             moved = max(moved, (naive_params[n] - init[n]).abs().max().item())
         head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
         head_moved = (naive_params[head] - init[head]).abs().max().item()
-        assert moved > 1e-3 and head_moved > 1e-4, f"the step did not move the weights ({moved}, {head_moved})"
+        assert moved > 1e-3 and head_moved > 1e-4, (
+            f"the step did not move the weights ({moved}, {head_moved})"
+        )
         if rank == 0:
-            print(f"{path} stage {a.stage}: losses {loss_f.item():.6f} {loss_n.item():.6f}, "
-                  f"max update {moved:.3g}, lm_head update {head_moved:.3g}", flush=True)
+            print(
+                f"{path} stage {a.stage}: losses {loss_f.item():.6f} {loss_n.item():.6f}, "
+                f"max update {moved:.3g}, lm_head update {head_moved:.3g}",
+                flush=True,
+            )
     if rank == 0:
         print("OK", flush=True)
     dist.destroy_process_group()

@@ -1,5 +1,6 @@
-"""torchrun worker (2 ranks): a non-finite loss on ONE rank skips the optimizer step on both, keeps the
-weights AND the Adam states clean, is counted, and a streak of them stops the run (checks.StepGuard).
+"""torchrun worker (2 ranks): a non-finite loss on ONE rank skips the optimizer step on both, keeps
+the weights AND the Adam states clean, is counted, and a streak of them stops the run
+(checks.StepGuard).
 
 For ZeRO-2 and ZeRO-3 with configs/zero3.json's AdamW (as grpo.py builds it): a clean step applies;
 a step where rank 1's advantages hold a NaN (so its loss and, through the gradient all-reduce, every
@@ -7,6 +8,7 @@ gradient are NaN) leaves every parameter bit-identical and was_step_applied() Fa
 the next clean step applies and stays finite; three NaN steps in a row raise RunError (exit 3).
 Usage: torchrun --nproc_per_node 2 tests/dist_nan_guard.py MODEL_DIR CONFIG_DIR
 """
+
 import json
 import math
 import os
@@ -31,10 +33,24 @@ torch.manual_seed(rank)
 B, P, C, V = 4, 4, 3, 15
 ids = torch.randint(4, V, (B, P + C))
 am = torch.ones(B, P + C, dtype=torch.long)
-batch = {"input_ids": ids, "attention_mask": am, "completion_mask": am[:, P:], "advantages": torch.randn(B),
-         "old_logps": None, "ref_logps": None, "is_weights": None}
-args = SimpleNamespace(temperature=1.0, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="bnpo",
-                       logprob_chunk_size=0, max_completion_length=C)
+batch = {
+    "input_ids": ids,
+    "attention_mask": am,
+    "completion_mask": am[:, P:],
+    "advantages": torch.randn(B),
+    "old_logps": None,
+    "ref_logps": None,
+    "is_weights": None,
+}
+args = SimpleNamespace(
+    temperature=1.0,
+    beta=0.0,
+    epsilon_low=0.2,
+    epsilon_high=0.2,
+    loss_type="bnpo",
+    logprob_chunk_size=0,
+    max_completion_length=C,
+)
 
 
 def params(engine):
@@ -47,7 +63,9 @@ def step(engine, guard, n, nan_on_rank1):
     if nan_on_rank1 and rank == 1:
         b["advantages"][0] = float("nan")
     plan = plan_micro_batches(b, 2)  # two micro-batches: accumulation, as in the loop
-    (normalizer,) = all_sum([sum(loss_normalizer(b["completion_mask"][i], "bnpo", C) for i in plan)])
+    (normalizer,) = all_sum(
+        [sum(loss_normalizer(b["completion_mask"][i], "bnpo", C) for i in plan)]
+    )
     sums = train_on_batch(engine, b, plan, args, normalizer, torch.device("cpu"))
     (loss,) = all_sum([sums["loss"]])
     norm = engine.get_global_grad_norm()
@@ -58,9 +76,16 @@ def step(engine, guard, n, nan_on_rank1):
 for stage in (2, 3):
     raw = json.load(open(os.path.join(config_dir, "zero3.json")))
     raw["zero_optimization"]["stage"] = stage
-    cfg = load_ds_config(raw, world_size=world, hidden_size=128, train_micro_batch_size_per_gpu=2,
-                         gradient_accumulation_steps=2, gradient_clipping=1.0, **{"bf16.enabled": False},
-                         **{"optimizer.params.lr": 1e-2, "optimizer.params.weight_decay": 0.0})
+    cfg = load_ds_config(
+        raw,
+        world_size=world,
+        hidden_size=128,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=2,
+        gradient_clipping=1.0,
+        **{"bf16.enabled": False},
+        **{"optimizer.params.lr": 1e-2, "optimizer.params.weight_decay": 0.0},
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     guard = StepGuard(max_bad_steps=3)
@@ -73,12 +98,16 @@ for stage in (2, 3):
     applied, loss = step(engine, guard, 2, nan_on_rank1=True)  # NaN on rank 1 only
     w2 = params(engine)
     assert not applied and math.isnan(loss), (stage, applied, loss)  # skipped on BOTH ranks
-    assert all(torch.equal(w1[k], w2[k]) for k in w1), f"ZeRO-{stage}: a skipped step changed the weights"
+    assert all(torch.equal(w1[k], w2[k]) for k in w1), (
+        f"ZeRO-{stage}: a skipped step changed the weights"
+    )
     assert guard.skipped == 1 and guard.in_a_row == 1
 
     applied, loss = step(engine, guard, 3, nan_on_rank1=False)  # Adam's states were not poisoned
     w3 = params(engine)
-    assert applied and guard.in_a_row == 0 and all(torch.isfinite(v).all() for v in w3.values()), stage
+    assert applied and guard.in_a_row == 0 and all(torch.isfinite(v).all() for v in w3.values()), (
+        stage
+    )
     assert any(not torch.equal(w2[k], w3[k]) for k in w2), stage
 
     try:
@@ -89,6 +118,10 @@ for stage in (2, 3):
         assert e.exit_code == EXIT_DIVERGED and "3 steps in a row (last: step 6)" in str(e), str(e)
     assert all(torch.equal(w3[k], v) for k, v in params(engine).items()), stage
     if rank == 0:
-        print(f"ZeRO-{stage}: non-finite steps skipped on both ranks, weights untouched, streak of 3 stops", flush=True)
+        print(
+            f"ZeRO-{stage}: non-finite steps skipped on both ranks, weights untouched, streak of 3 "
+            "stops",
+            flush=True,
+        )
     engine.destroy()
 dist.destroy_process_group()

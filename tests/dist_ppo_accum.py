@@ -5,6 +5,7 @@ packed micro-batches of 2, ppo.train_on_batch's SGD(lr=1) update of the actor AN
 equal minus the gradient of the full-batch policy / value loss computed on plain models.
 Usage: torchrun --nproc_per_node 2 tests/dist_ppo_accum.py MODEL_DIR
 """
+
 import sys
 from types import SimpleNamespace
 
@@ -28,7 +29,9 @@ B, P, C, V = 8, 6, 5, 40
 prompt_len = torch.tensor([3, 6, 4, 5, 6, 2, 3, 6])
 comp_len = torch.tensor([5, 1, 3, 2, 5, 4, 1, 3])
 ids = torch.randint(4, V, (B, P + C))
-am = torch.cat([torch.arange(P)[None] >= P - prompt_len[:, None], torch.arange(C)[None] < comp_len[:, None]], 1).long()
+am = torch.cat(
+    [torch.arange(P)[None] >= P - prompt_len[:, None], torch.arange(C)[None] < comp_len[:, None]], 1
+).long()
 ids = ids.masked_fill(am == 0, 0)
 cmask = am[:, P:]
 
@@ -50,18 +53,36 @@ full["old_logps"] = base_logps + 0.3 * torch.randn(B, C)  # ratios leave 1: clip
 full["values"] = base_values + 0.3 * torch.randn(B, C)  # old values differ: value clipping acts
 full["advantages"] = torch.randn(B, C) * cmask
 full["returns"] = torch.randn(B, C) * cmask
-args = SimpleNamespace(ppo_epochs=1, num_mini_batches=1, temperature=1.0, cliprange=0.2, cliprange_value=0.05,
-                       logprob_chunk_size=0)
+args = SimpleNamespace(
+    ppo_epochs=1,
+    num_mini_batches=1,
+    temperature=1.0,
+    cliprange=0.2,
+    cliprange_value=0.05,
+    logprob_chunk_size=0,
+)
 
 # the reference: full batch, plain models, one backward each
 n = float(cmask.sum())
 mb = micro_slice(full, torch.arange(B))
 c = mb["logits_to_keep"]
-loss, _ = policy_loss(forward_logps(actor, mb, 1.0, False, cpu), mb["old_logps"], mb["advantages"],
-                      mb["completion_mask"], args.cliprange, n)
+loss, _ = policy_loss(
+    forward_logps(actor, mb, 1.0, False, cpu),
+    mb["old_logps"],
+    mb["advantages"],
+    mb["completion_mask"],
+    args.cliprange,
+    n,
+)
 loss.backward()
-vloss, _ = value_loss(forward_values(critic, mb, False, cpu), mb["values"], mb["returns"], mb["completion_mask"],
-                      args.cliprange_value, n)
+vloss, _ = value_loss(
+    forward_values(critic, mb, False, cpu),
+    mb["values"],
+    mb["returns"],
+    mb["completion_mask"],
+    args.cliprange_value,
+    n,
+)
 vloss.backward()
 want = {("actor", k): p.grad.clone() for k, p in actor.named_parameters()}
 want.update({("critic", k): p.grad.clone() for k, p in critic.named_parameters()})
@@ -71,11 +92,17 @@ for micro, packing in ((4, False), (1, False), (2, True)):
     args.packing = packing
     engines = {}
     for name, model in zip(("actor", "critic"), models()):
-        config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 4 // micro,
-                  "train_batch_size": 8, "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0,
-                  "zero_allow_untested_optimizer": True}
-        engines[name], *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                                                 config=config)
+        config = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": 4 // micro,
+            "train_batch_size": 8,
+            "zero_optimization": {"stage": 3},
+            "gradient_clipping": 0.0,
+            "zero_allow_untested_optimizer": True,
+        }
+        engines[name], *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config
+        )
     before = {}
     for name, e in engines.items():
         with gathered(e.module):
@@ -90,8 +117,11 @@ for micro, packing in ((4, False), (1, False), (2, True)):
                 got = before[(name, k)] - p.detach()  # SGD(lr=1): the applied gradient
                 w = want[(name, k)]
                 if not torch.allclose(got, w, rtol=1e-4, atol=1e-6):
-                    failures.append(f"micro={micro} packing={packing} {name}.{k}: max err {(got - w).abs().max():.3g}"
-                                    f" (grad max {w.abs().max():.3g})")
+                    failures.append(
+                        f"micro={micro} packing={packing} {name}.{k}: max err "
+                        f"{(got - w).abs().max():.3g}"
+                        f" (grad max {w.abs().max():.3g})"
+                    )
         e.destroy()
 
 if failures:

@@ -1,4 +1,6 @@
-"""2 ranks (gloo): masked_whiten pools mean and variance over ranks = whitening the concatenation."""
+"""2 ranks (gloo): masked_whiten pools mean and variance over ranks = whitening the
+concatenation."""
+
 import sys
 
 import torch
@@ -15,7 +17,7 @@ if __name__ == "__main__":
     got = masked_whiten(xs[rank], masks[rank])
     dist.destroy_process_group()
     whole = masked_whiten(torch.cat(xs), torch.cat(masks))  # one process, no collectives
-    want = whole[3 * rank:3 * (rank + 1)]
+    want = whole[3 * rank : 3 * (rank + 1)]
     torch.testing.assert_close(got, want)
     local_only = masked_whiten(xs[rank], masks[rank])  # and the pooled result is not the local one
     assert not torch.allclose(got, local_only), "rank statistics were not pooled"

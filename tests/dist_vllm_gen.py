@@ -24,21 +24,46 @@ def main(model_dir, out_dir):
     rank = dist.get_rank()
     ok = (lambda name: print(f"OK {name}", flush=True)) if rank == 0 else (lambda name: None)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    texts = ["hello", "The cat", "a", "1 + 1 =", "xyz abc", "Once upon", "Q:", "zz", "def f(x):", "42",
-             "Hi", "abc", "The dog", "0", "What is", "ok", "x y z"]
-    # 10 prompts on rank 0 (4 batches of 3), 7 on rank 1 (3 batches): ranks must still make equal calls
+    texts = [
+        "hello",
+        "The cat",
+        "a",
+        "1 + 1 =",
+        "xyz abc",
+        "Once upon",
+        "Q:",
+        "zz",
+        "def f(x):",
+        "42",
+        "Hi",
+        "abc",
+        "The dog",
+        "0",
+        "What is",
+        "ok",
+        "x y z",
+    ]
+    # 10 prompts on rank 0 (4 batches of 3), 7 on rank 1 (3 batches): ranks must still make equal
+    # calls
     mine = texts[:10] if rank == 0 else texts[10:]
     prompts = [tok(t)["input_ids"] for t in mine]
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
-           "steps_per_print": 10**9, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     path = os.path.join(out_dir, "saved")
     save_hf(engine, tok, path)
 
-    gen = VLLMGenerator(path, vllm_batch_size=3, max_model_len=128, dtype="float32", enforce_eager=True)
+    gen = VLLMGenerator(
+        path, vllm_batch_size=3, max_model_len=128, dtype="float32", enforce_eager=True
+    )
     ok("vLLM loads the save_hf checkpoint")
 
     def hf_greedy():
@@ -54,26 +79,32 @@ def main(model_dir, out_dir):
     ok("vllm_batch_size=3 == one call")
 
     hf_before = hf_greedy()
-    assert torch.equal(hf_before.completion_ids, split.completion_ids), \
+    assert torch.equal(hf_before.completion_ids, split.completion_ids), (
         f"HF greedy != vLLM greedy\n{hf_before.completion_ids}\n{split.completion_ids}"
+    )
     ok("HF greedy == vLLM greedy")
 
     # sampler logprobs (temperature 1, no top-k/p: processed == model log-softmax) match HF's
     smp = gen.generate(prompts, num_generations=2, max_new_tokens=8, temperature=1.0)
-    assert smp.completion_ids.shape[0] == 2 * len(prompts) and smp.logprobs.shape == smp.completion_ids.shape
+    assert (
+        smp.completion_ids.shape[0] == 2 * len(prompts)
+        and smp.logprobs.shape == smp.completion_ids.shape
+    )
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     worst = 0.0
     for i, (ids, mask, lp) in enumerate(zip(smp.completion_ids, smp.completion_mask, smp.logprobs)):
         n, p = int(mask.sum()), prompts[i // 2]
         seq = torch.tensor([p + ids[:n].tolist()])
         with torch.no_grad():
-            logits = plain(seq).logits[0, len(p) - 1:-1]  # (n, V) predicting the completion
+            logits = plain(seq).logits[0, len(p) - 1 : -1]  # (n, V) predicting the completion
         ref = torch.log_softmax(logits.float(), -1).gather(-1, ids[:n, None]).squeeze(-1)  # (n,)
         worst = max(worst, (ref - lp[:n]).abs().max().item())
     assert worst < 1e-3, f"vLLM logprobs differ from HF by {worst}"
     for ids, mask in zip(smp.completion_ids, smp.completion_mask):  # a short row ends with its EOS
         n = int(mask.sum())
-        assert n == 8 or int(ids[n - 1]) == tok.eos_token_id, f"row stopped early without EOS: {ids}"
+        assert n == 8 or int(ids[n - 1]) == tok.eos_token_id, (
+            f"row stopped early without EOS: {ids}"
+        )
         assert (ids[n:] == tok.pad_token_id).all()
     ok(f"sampler logprobs match HF (max diff {worst:.1e})")
 
@@ -84,13 +115,16 @@ def main(model_dir, out_dir):
         engine.backward(loss)
         engine.step()
     hf_after = hf_greedy()
-    assert not torch.equal(hf_after.completion_ids, hf_before.completion_ids), "training step changed nothing"
+    assert not torch.equal(hf_after.completion_ids, hf_before.completion_ids), (
+        "training step changed nothing"
+    )
     stale = gen.generate(prompts, max_new_tokens=10, greedy=True)
     assert torch.equal(stale.completion_ids, split.completion_ids)
     gen.sync_weights(engine, max_numel=20000)
     synced = gen.generate(prompts, max_new_tokens=10, greedy=True)
-    assert torch.equal(synced.completion_ids, hf_after.completion_ids), \
+    assert torch.equal(synced.completion_ids, hf_after.completion_ids), (
         f"vLLM after sync != HF after step\n{synced.completion_ids}\n{hf_after.completion_ids}"
+    )
     ok("weight sync: vLLM == updated HF, != before")
 
     gen.sleep()  # CPU: a logged no-op

@@ -22,11 +22,24 @@ def main(model_dir):
     mine = texts[:4] if rank == 0 else texts[4:]
     prompts = [tok(t)["input_ids"] for t in mine]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
-           "steps_per_print": 10**9, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=cfg)
-    gen = VLLMGenerator(model_dir, tensor_parallel_size=2, vllm_batch_size=2, max_model_len=128, dtype="float32",
-                        enforce_eager=True)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=cfg
+    )
+    gen = VLLMGenerator(
+        model_dir,
+        tensor_parallel_size=2,
+        vllm_batch_size=2,
+        max_model_len=128,
+        dtype="float32",
+        enforce_eager=True,
+    )
 
     def hf_greedy():
         with unwrap_for_generation(engine, gather=True) as m:
@@ -39,8 +52,13 @@ def main(model_dir):
         engine.backward(engine(input_ids=batch, labels=batch).loss)
         engine.step()
     gen.sync_weights(engine)
-    after, hf_after = gen.generate(prompts, max_new_tokens=10, greedy=True).completion_ids, hf_greedy()
-    assert not torch.equal(after, before) and torch.equal(after, hf_after), f"TP sync\n{after}\n{hf_after}"
+    after, hf_after = (
+        gen.generate(prompts, max_new_tokens=10, greedy=True).completion_ids,
+        hf_greedy(),
+    )
+    assert not torch.equal(after, before) and torch.equal(after, hf_after), (
+        f"TP sync\n{after}\n{hf_after}"
+    )
     dist.barrier()
     print(f"rank {rank} DONE", flush=True)
 

@@ -15,9 +15,14 @@ class BodyError(Exception):
 
 
 def ds_config():
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 2,
-            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 2,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
 
 
 def state(engine):
@@ -25,7 +30,9 @@ def state(engine):
     model = engine.module
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     status = tuple(str(p.ds_status) for p in model.parameters())
-    ckpt = tuple(m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing"))
+    ckpt = tuple(
+        m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing")
+    )
     return hooks, status, ckpt, model.training
 
 
@@ -41,7 +48,8 @@ def main(model_dir, tied_dir, out_dir):
     ok = (lambda name: print(f"OK {name}", flush=True)) if rank == 0 else (lambda name: None)
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = ["hello", "The cat", "a", "1 + 1 =", "xyz abc", "Once upon", "Q:", "zz"]
-    # unequal prompt counts per rank: 5 vs 3 -> 3 vs 2 chunks of batch_size 2 (synced generation must cope)
+    # unequal prompt counts per rank: 5 vs 3 -> 3 vs 2 chunks of batch_size 2 (synced generation
+    # must cope)
     mine = texts[:5] if rank == 0 else texts[5:]
     prompts = [tok(t)["input_ids"] for t in mine]
 
@@ -62,7 +70,9 @@ def main(model_dir, tied_dir, out_dir):
     before = state(engine)
     with unwrap_for_generation(engine, gather=True) as m:
         assert not is_sharded(m), "gather=True left parameters partitioned"
-        assert not m.training and not any(x.gradient_checkpointing for x in m.modules() if hasattr(x, "gradient_checkpointing"))
+        assert not m.training and not any(
+            x.gradient_checkpointing for x in m.modules() if hasattr(x, "gradient_checkpointing")
+        )
         with_gather_hooks = state(engine)[0]
         assert with_gather_hooks < before[0], "gather=True did not remove the ZeRO-3 hooks"
         g = generate_hf(m, prompts, batch_size=2, max_new_tokens=12, greedy=True)
@@ -74,13 +84,23 @@ def main(model_dir, tied_dir, out_dir):
     budget = sum(p.ds_numel * 4 for p in engine.module.parameters()) // 2
     with unwrap_for_generation(engine, gather=False, resident_bytes=budget) as m:
         resident = sum(p.data.numel() * 4 for p in m.parameters() if p.data.numel() == p.ds_numel)
-        assert 0 < resident <= budget, f"middle mode keeps {resident} bytes gathered, budget {budget}"
-        assert before[0] > state(engine)[0] > with_gather_hooks, "middle mode should remove some hooks, not all"
+        assert 0 < resident <= budget, (
+            f"middle mode keeps {resident} bytes gathered, budget {budget}"
+        )
+        assert before[0] > state(engine)[0] > with_gather_hooks, (
+            "middle mode should remove some hooks, not all"
+        )
         mid = generate_hf(m, prompts, batch_size=2, max_new_tokens=12, greedy=True)
     assert state(engine) == before, "state not restored after middle-mode generation"
-    assert torch.equal(mid.completion_ids, ref.completion_ids), f"middle != plain\n{mid.completion_ids}"
-    assert torch.equal(g.completion_ids, ref.completion_ids), f"gathered != plain\n{g.completion_ids}\n{ref.completion_ids}"
-    assert torch.equal(s.completion_ids, ref.completion_ids), f"sharded != plain\n{s.completion_ids}\n{ref.completion_ids}"
+    assert torch.equal(mid.completion_ids, ref.completion_ids), (
+        f"middle != plain\n{mid.completion_ids}"
+    )
+    assert torch.equal(g.completion_ids, ref.completion_ids), (
+        f"gathered != plain\n{g.completion_ids}\n{ref.completion_ids}"
+    )
+    assert torch.equal(s.completion_ids, ref.completion_ids), (
+        f"sharded != plain\n{s.completion_ids}\n{ref.completion_ids}"
+    )
     assert torch.equal(s.completion_mask, ref.completion_mask)
     ok("greedy plain == gathered == sharded == middle mode")
 
@@ -107,14 +127,23 @@ def main(model_dir, tied_dir, out_dir):
     eos = int(ref.completion_ids[0, 3])  # a token the model does produce, so some rows stop early
     with unwrap_for_generation(engine, gather=False) as m:
         torch.manual_seed(0)
-        smp = generate_hf(m, prompts, num_generations=3, batch_size=4, max_new_tokens=12, temperature=1.0,
-                          top_k=20, top_p=0.9, eos_token_id=eos)
+        smp = generate_hf(
+            m,
+            prompts,
+            num_generations=3,
+            batch_size=4,
+            max_new_tokens=12,
+            temperature=1.0,
+            top_k=20,
+            top_p=0.9,
+            eos_token_id=eos,
+        )
     assert smp.completion_ids.shape[0] == 3 * len(prompts)
     for ids, mask in zip(smp.completion_ids, smp.completion_mask):
         n = int(mask.sum())
         assert mask[:n].all() and not mask[n:].any(), "mask is not a prefix"
         assert (ids[n:] == 0).all(), "ids after the mask are not pad"
-        assert (ids[:n - 1] != eos).all(), "EOS inside the kept completion"
+        assert (ids[: n - 1] != eos).all(), "EOS inside the kept completion"
     assert (smp.completion_ids == eos).any(), "test needs a row that stopped at EOS"
     ok("sampling G per prompt, cut after EOS")
 
@@ -132,9 +161,13 @@ def main(model_dir, tied_dir, out_dir):
     names, peak = [], 0
     full = {}
     for name, t in iter_full_params(engine, max_numel=bound):
-        live = sum(p.data.numel() for p in engine.module.parameters() if p.data.numel() == p.ds_numel)
+        live = sum(
+            p.data.numel() for p in engine.module.parameters() if p.data.numel() == p.ds_numel
+        )
         peak = max(peak, live)
-        assert live <= max(bound, largest), f"{live} elements gathered at once > bound {max(bound, largest)}"
+        assert live <= max(bound, largest), (
+            f"{live} elements gathered at once > bound {max(bound, largest)}"
+        )
         names.append(name)
         full[name] = t.clone()
     total = sum(p.ds_numel for p in engine.module.parameters())
@@ -167,14 +200,22 @@ def main(model_dir, tied_dir, out_dir):
     tied_plain = AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32)
     tied_ref = generate_hf(tied_plain, prompts, batch_size=4, max_new_tokens=8, greedy=True)
     for offload in (False, True):
-        fe = frozen_engine(AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32), ds_config(), offload=offload)
+        fe = frozen_engine(
+            AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32),
+            ds_config(),
+            offload=offload,
+        )
         assert is_sharded(fe) and not any(p.requires_grad for p in fe.module.parameters())
         with unwrap_for_generation(fe, gather=False) as m:
             out = generate_hf(m, prompts, batch_size=2, max_new_tokens=8, greedy=True)
-        assert torch.equal(out.completion_ids, tied_ref.completion_ids), f"frozen_engine(offload={offload}) differs"
+        assert torch.equal(out.completion_ids, tied_ref.completion_ids), (
+            f"frozen_engine(offload={offload}) differs"
+        )
         with unwrap_for_generation(fe, gather=True) as m:
             out = generate_hf(m, prompts, batch_size=2, max_new_tokens=8, greedy=True)
-        assert torch.equal(out.completion_ids, tied_ref.completion_ids), f"frozen_engine(offload={offload}) gathered differs"
+        assert torch.equal(out.completion_ids, tied_ref.completion_ids), (
+            f"frozen_engine(offload={offload}) gathered differs"
+        )
     tied_path = os.path.join(out_dir, "tied_saved")
     save_hf(fe, tok, tied_path)
     if rank == 0:

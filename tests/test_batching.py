@@ -1,7 +1,6 @@
 """batching.py: padded batches, micro-batch plans (by count, by token budget, ranks agreeing),
 micro-batch slices, and the collectives (on 2 real gloo processes)."""
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -9,22 +8,42 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from batching import all_cat, all_sum, comm_device, encode_prompts, make_batch, micro_slice, plan_micro_batches
-from tiny_models import build_tiny
+from batching import (
+    all_cat,
+    all_sum,
+    comm_device,
+    encode_prompts,
+    make_batch,
+    micro_slice,
+    plan_micro_batches,
+)
 
 
 def ragged(B=6, P=5, C=4, seed=0):
-    """Left-padded prompts of 1-P tokens, right-padded completions of 0-C tokens, with extra entries."""
+    """Left-padded prompts of 1-P tokens, right-padded completions of 0-C tokens, with extra
+    entries."""
     g = torch.Generator().manual_seed(seed)
-    p_len, c_len = torch.randint(1, P + 1, (B,), generator=g), torch.randint(0, C + 1, (B,), generator=g)
-    am = torch.cat([torch.arange(P)[None] >= P - p_len[:, None], torch.arange(C)[None] < c_len[:, None]], 1).long()
+    p_len, c_len = (
+        torch.randint(1, P + 1, (B,), generator=g),
+        torch.randint(0, C + 1, (B,), generator=g),
+    )
+    am = torch.cat(
+        [torch.arange(P)[None] >= P - p_len[:, None], torch.arange(C)[None] < c_len[:, None]], 1
+    ).long()
     ids = torch.randint(4, 40, (B, P + C), generator=g) * am
-    return {"input_ids": ids, "attention_mask": am, "completion_mask": am[:, P:].clone(),
-            "advantages": torch.randn(B, generator=g), "old_logps": torch.randn(B, C, generator=g), "ref_logps": None}
+    return {
+        "input_ids": ids,
+        "attention_mask": am,
+        "completion_mask": am[:, P:].clone(),
+        "advantages": torch.randn(B, generator=g),
+        "old_logps": torch.randn(B, C, generator=g),
+        "ref_logps": None,
+    }
 
 
 def test_encode_prompts_and_make_batch(tiny_model):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model)
     rows = [{"prompt": "12="}, {"prompt": "3456="}]
     ids = encode_prompts(tok, rows, max_prompt_length=4)
@@ -37,7 +56,10 @@ def test_encode_prompts_and_make_batch(tiny_model):
         p = ids[row // 2]  # prompt-major: completions 0, 1 belong to prompt 0
         want = [0] * (P - len(p)) + p + comp[row].tolist()
         assert batch["input_ids"][row].tolist() == want
-        assert batch["attention_mask"][row].tolist() == [0] * (P - len(p)) + [1] * len(p) + (comp[row] != 0).tolist()
+        assert (
+            batch["attention_mask"][row].tolist()
+            == [0] * (P - len(p)) + [1] * len(p) + (comp[row] != 0).tolist()
+        )
     assert batch["completion_mask"] is gens.completion_mask
 
 
@@ -56,7 +78,8 @@ def test_plan_by_token_budget(budget):
     assert sorted(torch.cat(plan).tolist()) == list(range(12))  # every sequence exactly once
     for i, idx in enumerate(plan):
         padded = len(idx) * int(lengths[idx].max())
-        assert len(idx) == 1 or padded <= budget  # within budget, or one sequence too long for it alone
+        # within budget, or one sequence too long for it alone
+        assert len(idx) == 1 or padded <= budget
         if i + 1 < len(plan):  # greedy: the next sequence (by length) would not have fitted
             nxt = plan[i + 1][0]
             assert (len(idx) + 1) * max(int(lengths[idx].max()), int(lengths[nxt])) > budget
@@ -70,11 +93,14 @@ def test_micro_slice_cuts_padding_and_slices_every_entry():
         mb = micro_slice(batch, idx)
         am = batch["attention_mask"][idx]
         c = max(int(batch["completion_mask"][idx].sum(1).max()), 1)
-        start = next(j for j in range(am.shape[1]) if am[:, j].any())  # the first column anyone uses
+        # the first column anyone uses
+        start = next(j for j in range(am.shape[1]) if am[:, j].any())
         assert mb["logits_to_keep"] == c
-        assert torch.equal(mb["input_ids"], batch["input_ids"][idx][:, start:am.shape[1] - C + c])
-        assert torch.equal(mb["attention_mask"], am[:, start:am.shape[1] - C + c])
-        assert torch.equal(mb["attention_mask"].sum(1), am.sum(1) - (batch["completion_mask"][idx][:, c:]).sum(1))
+        assert torch.equal(mb["input_ids"], batch["input_ids"][idx][:, start : am.shape[1] - C + c])
+        assert torch.equal(mb["attention_mask"], am[:, start : am.shape[1] - C + c])
+        assert torch.equal(
+            mb["attention_mask"].sum(1), am.sum(1) - (batch["completion_mask"][idx][:, c:]).sum(1)
+        )
         assert torch.equal(mb["completion_mask"], batch["completion_mask"][idx, :c])
         assert torch.equal(mb["advantages"], batch["advantages"][idx])  # (b,)
         assert torch.equal(mb["old_logps"], batch["old_logps"][idx, :c])  # (b, c)
@@ -88,8 +114,13 @@ def _collectives_worker(rank, init_file, results):
         plan = plan_micro_batches(batch, 2)
         summed = all_sum([1.5 * (rank + 1), rank])
         rows = all_cat(torch.full((3, 2), float(rank)))
-        results[rank] = ([None if i is None else i.tolist() for i in plan], summed, rows.tolist(),
-                         str(comm_device()), rows.device.type)
+        results[rank] = (
+            [None if i is None else i.tolist() for i in plan],
+            summed,
+            rows.tolist(),
+            str(comm_device()),
+            rows.device.type,
+        )
     finally:
         dist.destroy_process_group()
 
@@ -99,7 +130,9 @@ def test_collectives_on_two_gloo_processes(tmp_path):
     mp.spawn(_collectives_worker, args=(str(tmp_path / "init"), results), nprocs=2)
     plan0, sum0, rows0, dev0, where0 = results[0]
     plan1, sum1, rows1, dev1, where1 = results[1]
-    assert plan0 == [[0, 1], [2, 3], [4]] and plan1 == [[0, 1], None, None]  # ranks agree on 3 micro-batches
+    # ranks agree on 3 micro-batches
+    assert plan0 == [[0, 1], [2, 3], [4]] and plan1 == [[0, 1], None, None]
     assert sum0 == sum1 == [4.5, 1.0]
     assert rows0 == rows1 == [[0.0, 0.0]] * 3 + [[1.0, 1.0]] * 3  # rank 0's rows first
-    assert dev0 == dev1 == "cpu" and where0 == where1 == "cpu"  # gloo: the CPU (NCCL: the current GPU)
+    # gloo: the CPU (NCCL: the current GPU)
+    assert dev0 == dev1 == "cpu" and where0 == where1 == "cpu"

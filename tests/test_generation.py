@@ -1,4 +1,5 @@
-"""generation.py: pure helpers here; ZeRO-3 (2 ranks, torchrun) and vLLM checks in worker scripts."""
+"""generation.py: pure helpers here; ZeRO-3 (2 ranks, torchrun) and vLLM checks in worker
+scripts."""
 
 import torch
 
@@ -13,7 +14,7 @@ def test_cut_after_eos_matches_naive():
     for row, o, m in zip(ids.tolist(), out.tolist(), mask.tolist()):
         stop = next((i for i, t in enumerate(row) if t in (2, 5)), len(row) - 1)
         assert m == [1] * (stop + 1) + [0] * (len(row) - stop - 1)
-        assert o == row[:stop + 1] + [0] * (len(row) - stop - 1)
+        assert o == row[: stop + 1] + [0] * (len(row) - stop - 1)
 
 
 def test_stack_right_padded():
@@ -28,13 +29,17 @@ def test_generate_hf_plain_model_prompt_order(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     prompts = [tok(t)["input_ids"] for t in ["ab", "hello there", "x", "Q: 2+2"]]
-    both = generate_hf(model, prompts, num_generations=2, batch_size=3, max_new_tokens=6, greedy=True)
+    both = generate_hf(
+        model, prompts, num_generations=2, batch_size=3, max_new_tokens=6, greedy=True
+    )
     assert both.completion_ids.shape[0] == 8
     for i, p in enumerate(prompts):
         alone = generate_hf(model, [p], max_new_tokens=6, greedy=True)
         n = int(alone.completion_mask.sum())
         for g in range(2):
-            assert both.completion_ids[2 * i + g, :n].tolist() == alone.completion_ids[0, :n].tolist()
+            assert (
+                both.completion_ids[2 * i + g, :n].tolist() == alone.completion_ids[0, :n].tolist()
+            )
 
 
 def test_zero3_generation(tiny_model, tiny_tied_model, tmp_path):
@@ -53,7 +58,7 @@ def test_vllm_generation(tiny_model, tmp_path):
 
 
 def test_vllm_tensor_parallel(tiny_model):
-    """tensor_parallel_size=2: one engine across both ranks; each rank gets its own prompts' outputs,
-    equal to HF greedy before and after a training step + weight sync."""
+    """tensor_parallel_size=2: one engine across both ranks; each rank gets its own prompts'
+    outputs, equal to HF greedy before and after a training step + weight sync."""
     proc = torchrun("tests/dist_vllm_tp_gen.py", tiny_model)
     assert proc.stdout.count("DONE") == 2, proc.stdout[-3000:]

@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def naive_advantages(rewards, G, scale, eps=1e-4):
     out = []
     for start in range(0, len(rewards), G):
-        group = rewards[start:start + G]
+        group = rewards[start : start + G]
         mean = sum(group) / G
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / (G - 1)) if G > 1 else 0.0
         out += [(r - mean) / (std + eps) if scale else r - mean for r in group]
@@ -63,7 +63,9 @@ def make_batch(B=6, C=5, seed=0, iterations=2):
     g = torch.Generator().manual_seed(seed)
     logps = -torch.rand(B, C, generator=g, dtype=torch.float64) * 3
     # num_iterations > 1: the old policy differs, so ratios leave 1 and clipping acts
-    old = logps + (torch.rand(B, C, generator=g, dtype=torch.float64) - 0.5) * (0.8 if iterations > 1 else 0)
+    old = logps + (torch.rand(B, C, generator=g, dtype=torch.float64) - 0.5) * (
+        0.8 if iterations > 1 else 0
+    )
     ref = logps + (torch.rand(B, C, generator=g, dtype=torch.float64) - 0.5)
     adv = torch.randn(B, generator=g, dtype=torch.float64)
     lengths = torch.randint(1, C + 1, (B,), generator=g)
@@ -79,12 +81,31 @@ def test_grpo_loss_matches_naive(loss_type, beta, clip, iterations):
     logps, old, ref, adv, mask = make_batch(iterations=iterations)
     C = logps.shape[1]
     el, eh = clip
-    want = naive_loss(logps.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), beta, el, eh,
-                      loss_type, C)
+    want = naive_loss(
+        logps.tolist(),
+        old.tolist(),
+        ref.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        beta,
+        el,
+        eh,
+        loss_type,
+        C,
+    )
     logps = logps.clone().requires_grad_(True)
-    loss, metrics = grpo_loss(logps, old if iterations > 1 else None, ref if beta else None, adv, mask, beta=beta,
-                              epsilon_low=el, epsilon_high=eh, loss_type=loss_type,
-                              normalizer=loss_normalizer(mask, loss_type, C))
+    loss, metrics = grpo_loss(
+        logps,
+        old if iterations > 1 else None,
+        ref if beta else None,
+        adv,
+        mask,
+        beta=beta,
+        epsilon_low=el,
+        epsilon_high=eh,
+        loss_type=loss_type,
+        normalizer=loss_normalizer(mask, loss_type, C),
+    )
     assert loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
     assert metrics["tokens"].item() == mask.sum().item()
     if iterations > 1:  # with these ratios some tokens clip on each side
@@ -97,22 +118,65 @@ def test_grpo_loss_matches_naive(loss_type, beta, clip, iterations):
 def test_grpo_loss_is_weights_and_errors():
     logps, old, ref, adv, mask = make_batch()
     is_w = torch.rand_like(logps)
-    want = naive_loss(logps.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.0, 0.2, 0.2,
-                      "bnpo", 5, is_w.tolist())
-    loss, _ = grpo_loss(logps, old, None, adv, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="bnpo",
-                        normalizer=loss_normalizer(mask, "bnpo", 5), is_weights=is_w)
+    want = naive_loss(
+        logps.tolist(),
+        old.tolist(),
+        ref.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        0.0,
+        0.2,
+        0.2,
+        "bnpo",
+        5,
+        is_w.tolist(),
+    )
+    loss, _ = grpo_loss(
+        logps,
+        old,
+        None,
+        adv,
+        mask,
+        beta=0.0,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        loss_type="bnpo",
+        normalizer=loss_normalizer(mask, "bnpo", 5),
+        is_weights=is_w,
+    )
     assert loss.item() == pytest.approx(want, rel=1e-10)
     with pytest.raises(ValueError, match="loss_type"):
-        grpo_loss(logps, old, None, adv, mask, beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="sum",
-                  normalizer=1.0)
+        grpo_loss(
+            logps,
+            old,
+            None,
+            adv,
+            mask,
+            beta=0.0,
+            epsilon_low=0.2,
+            epsilon_high=0.2,
+            loss_type="sum",
+            normalizer=1.0,
+        )
     with pytest.raises(ValueError, match="ref_logps"):
-        grpo_loss(logps, old, None, adv, mask, beta=0.1, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo",
-                  normalizer=1.0)
+        grpo_loss(
+            logps,
+            old,
+            None,
+            adv,
+            mask,
+            beta=0.1,
+            epsilon_low=0.2,
+            epsilon_high=0.2,
+            loss_type="grpo",
+            normalizer=1.0,
+        )
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batch_losses_sum_to_full_batch(loss_type):
-    """DESIGN.md problem 4 on the pure function: the batch-wide normaliser makes the split irrelevant."""
+    """README, "Why whole groups stay on one rank", on the pure function: the batch-wide normaliser
+    makes the split irrelevant."""
     logps, old, ref, adv, mask = make_batch(B=8, C=6, seed=1)
     norm = loss_normalizer(mask, loss_type, 6)
     kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, normalizer=norm)
@@ -123,8 +187,14 @@ def test_micro_batch_losses_sum_to_full_batch(loss_type):
         lp = logps.clone().requires_grad_(True)
         total = 0.0
         for s in range(0, 8, micro):
-            part, _ = grpo_loss(lp[s:s + micro], old[s:s + micro], ref[s:s + micro], adv[s:s + micro],
-                                mask[s:s + micro], **kw)
+            part, _ = grpo_loss(
+                lp[s : s + micro],
+                old[s : s + micro],
+                ref[s : s + micro],
+                adv[s : s + micro],
+                mask[s : s + micro],
+                **kw,
+            )
             part.backward()
             total += part.item()
         assert total == pytest.approx(full.item(), rel=1e-10)
@@ -132,23 +202,29 @@ def test_micro_batch_losses_sum_to_full_batch(loss_type):
 
 
 def test_accumulation_equivalence_deepspeed(tiny_model, tmp_path):
-    """Real DeepSpeed (ZeRO-2 and ZeRO-3) on 2 ranks: (4, 1), (2, 2), (1, 4) micro-batch x accumulation
-    give the gradient of the whole 8-sequence batch computed on one plain model, for every loss_type."""
+    """Real DeepSpeed (ZeRO-2 and ZeRO-3) on 2 ranks: (4, 1), (2, 2), (1, 4) micro-batch x
+    accumulation give the gradient of the whole 8-sequence batch computed on one plain model, for
+    every loss_type."""
     torchrun(os.path.join(HERE, "dist_grpo_accum.py"), tiny_model, tmp_path)
 
 
 def test_bad_input_fails_with_a_message_that_says_what_to_change():
     from checks import RunError
     from grpo import parse_args
-    for argv, msg in ((["--loss_type", "sum"], "choose one of"), (["--num_generations", "1"], ">= 2"),
-                      (["--reward_weights", "1,2,3"], "3 values for 2 reward functions"),
-                      (["--reward_funcs", "nosuchmodule:f"], "module:function"),
-                      (["--vllm_importance_cap", "2"], "needs --use_vllm")):
+
+    for argv, msg in (
+        (["--loss_type", "sum"], "choose one of"),
+        (["--num_generations", "1"], ">= 2"),
+        (["--reward_weights", "1,2,3"], "3 values for 2 reward functions"),
+        (["--reward_funcs", "nosuchmodule:f"], "module:function"),
+        (["--vllm_importance_cap", "2"], "needs --use_vllm"),
+    ):
         with pytest.raises(RunError, match=msg):
             parse_args(argv)
     args = parse_args(["--reward_funcs", "tasks:correct_reward", "--data", "x.jsonl"])
     assert [f.__name__ for f in args.funcs] == ["correct_reward"] and args.weights == [1.0]
-    # the task, rewards, JSONL data and data order: tests/test_tasks.py; bad input end to end: test_checks.py
+    # the task, rewards, JSONL data and data order: tests/test_tasks.py; bad input end to end:
+    # test_checks.py
 
 
 def test_estimate_memory_flag_prints_the_estimate_and_exits(capsys, monkeypatch):
@@ -156,14 +232,47 @@ def test_estimate_memory_flag_prints_the_estimate_and_exits(capsys, monkeypatch)
     from conftest import ROOT
     from grpo import main
     from memory import GB
+
     monkeypatch.setenv("WORLD_SIZE", "4")
     cfg = os.path.join(ROOT, "configs", "zero3_offload.json")
-    est = main(["--estimate_memory", "True", "--model", "qwen2.5-7b", "--ds_config", cfg, "--dtype", "bf16",
-                "--max_completion_length", "1024", "--gradient_checkpointing", "True", "--beta", "0.04"])
+    est = main(
+        [
+            "--estimate_memory",
+            "True",
+            "--model",
+            "qwen2.5-7b",
+            "--ds_config",
+            cfg,
+            "--dtype",
+            "bf16",
+            "--max_completion_length",
+            "1024",
+            "--gradient_checkpointing",
+            "True",
+            "--beta",
+            "0.04",
+        ]
+    )
     out = capsys.readouterr().out
     assert "update" in out and "ref_logprobs" in out and "highest phase" in out
     p = est["pieces"]  # zero3_offload.json: both offloads; 4 ranks from WORLD_SIZE
     assert p["optimizer"] == 0 and p["params"] == 0 and est["cpu"] > 0
     assert p["activations"] == p["activations_ckpt"] and p["reference"] == 2 * est["params"] // 4
-    tiny = main(["--estimate_memory", "True", "--max_prompt_length", "8"])  # the built-in task's tiny model
-    assert 0 < max(tiny["phases"].values()) < 0.1 * GB  # the estimate takes prompts at their longest
+    # the built-in task's tiny model
+    tiny = main(["--estimate_memory", "True", "--max_prompt_length", "8"])
+    # the estimate takes prompts at their longest
+    assert 0 < max(tiny["phases"].values()) < 0.1 * GB
+
+
+def test_recipe_sets_its_defaults_and_the_command_line_wins():
+    """--recipe pretrained (what run.sh passes with MODEL) is RECIPES' values, one place."""
+    import grpo
+
+    plain = grpo.parse_args([])
+    args = grpo.parse_args(["--recipe", "pretrained", "--eval_steps=7", "--learning_rate", "2e-6"])
+    for name, value in grpo.RECIPES["pretrained"].items():
+        want = {"eval_steps": 7, "learning_rate": 2e-6}.get(name, value)
+        assert getattr(args, name) == want != getattr(plain, name)
+    assert args.micro == 4 and args.batch_size == 4 * args.num_generations
+    with pytest.raises(grpo.RunError, match="--recipe nope: choose one of pretrained"):
+        grpo.parse_args(["--recipe", "nope"])

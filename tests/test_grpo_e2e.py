@@ -15,8 +15,18 @@ import pytest
 import conftest
 from conftest import finish, free_port, train_rows
 
-SMALL = ["--prompts_per_rank", "2", "--num_generations", "4", "--num_eval_prompts", "8",
-         "--per_device_train_batch_size", "4", "--eval_steps", "0"]
+SMALL = [
+    "--prompts_per_rank",
+    "2",
+    "--num_generations",
+    "4",
+    "--num_eval_prompts",
+    "8",
+    "--per_device_train_batch_size",
+    "4",
+    "--eval_steps",
+    "0",
+]
 
 
 def run_sh(*args, **kw):
@@ -29,23 +39,50 @@ def test_zero3_hf_outputs_and_checkpoint(tmp_path):
     assert "held-out reward: start" in out
     full = train_rows(a)
     assert [r["step"] for r in full] == [1, 2, 3]
-    for name in ("final/config.json", "final/tokenizer.json", "curves.png", "args.json", "grpo.py",
-                 "checkpoints/latest", "checkpoints/step2/config.json", "checkpoints/step2/policy"):
+    for name in (
+        "final/config.json",
+        "final/tokenizer.json",
+        "curves.png",
+        "args.json",
+        "grpo.py",
+        "checkpoints/latest",
+        "checkpoints/step2/config.json",
+        "checkpoints/step2/policy",
+    ):
         assert (a / name).exists(), name
     assert json.load(open(a / "args.json"))["ds_config_resolved"]["zero_optimization"]["stage"] == 3
     assert full[0]["mem/update"] > 0 and full[0]["tokens_per_s"] > 0
-    assert {"mem/rollout", "mem/optimizer_step"} <= set(full[0]) and "peak memory (peak RSS" in out  # ledger
+    assert {"mem/rollout", "mem/optimizer_step"} <= set(
+        full[0]
+    ) and "peak memory (peak RSS" in out  # ledger
 
-    # kill -9 and --resume, compared step by step with an uninterrupted run: tests/test_checkpoint.py
+    # kill -9 and --resume, compared step by step with an uninterrupted run:
+    # tests/test_checkpoint.py
 
 
 def test_zero2_vllm_reference_iterations(tmp_path):
-    out = run_sh("--max_steps", "2", "--use_vllm", "True", "--beta", "0.04", "--num_iterations", "2",
-                 "--vllm_importance_cap", "2.0", "--loss_type", "grpo", "--save_model", "False",
-                 env={"RUN_DIR": str(tmp_path / "r"), "DS_CONFIG": "configs/zero2.json"})
+    out = run_sh(
+        "--max_steps",
+        "2",
+        "--use_vllm",
+        "True",
+        "--beta",
+        "0.04",
+        "--num_iterations",
+        "2",
+        "--vllm_importance_cap",
+        "2.0",
+        "--loss_type",
+        "grpo",
+        "--save_model",
+        "False",
+        env={"RUN_DIR": str(tmp_path / "r"), "DS_CONFIG": "configs/zero2.json"},
+    )
     rows = train_rows(tmp_path / "r")
     assert [r["step"] for r in rows] == [1, 2]
-    assert {f"mem/{p}" for p in ("weight_sync", "rollout", "old_logprobs", "ref_logprobs", "update")} <= set(rows[0])
+    assert {
+        f"mem/{p}" for p in ("weight_sync", "rollout", "old_logprobs", "ref_logprobs", "update")
+    } <= set(rows[0])
     for r in rows:
         assert r["kl"] > 0  # the second iteration has moved away from the reference
         assert r["ratio"] != 1.0  # ... and from the old policy
@@ -56,11 +93,35 @@ def test_zero2_vllm_reference_iterations(tmp_path):
 
 def test_two_nodes_loopback_sharded_token_budget_jsonl(tmp_path):
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i:02d}=", "answer": str(i % 10)}) + "\n" for i in range(40)))
-    env = {"RUN_DIR": str(tmp_path / "r"), "NNODES": "2", "NPROC": "1", "MASTER_PORT": str(free_port())}
-    args = ["--max_steps", "2", "--gather_for_generation", "False", "--max_tokens_per_microbatch", "20",
-            "--loss_type", "dr_grpo", "--save_model", "False", "--data", str(data),
-            "--reward_funcs", "tasks:correct_reward,tasks:format_reward", "--reward_weights", "1,0.5"]
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{i:02d}=", "answer": str(i % 10)}) + "\n" for i in range(40)
+        )
+    )
+    env = {
+        "RUN_DIR": str(tmp_path / "r"),
+        "NNODES": "2",
+        "NPROC": "1",
+        "MASTER_PORT": str(free_port()),
+    }
+    args = [
+        "--max_steps",
+        "2",
+        "--gather_for_generation",
+        "False",
+        "--max_tokens_per_microbatch",
+        "20",
+        "--loss_type",
+        "dr_grpo",
+        "--save_model",
+        "False",
+        "--data",
+        str(data),
+        "--reward_funcs",
+        "tasks:correct_reward,tasks:format_reward",
+        "--reward_weights",
+        "1,0.5",
+    ]
     procs = [run_sh(*args, env={**env, "NODE_RANK": str(n)}, wait=False) for n in (0, 1)]
     outs = [finish(p) for p in procs]
     rows = train_rows(tmp_path / "r")
@@ -72,23 +133,41 @@ def test_two_nodes_loopback_sharded_token_budget_jsonl(tmp_path):
 
 
 def test_zero3_lora_vllm_sync_and_merged_final_model(tmp_path):
-    """LoRA: 2 steps on ZeRO-3 with vLLM generating from the merged weights (its log-probs of its own
-    samples match the trainer's at step 2, after the adapters moved), the reference is the policy
-    with adapters off (KL 0 at step 1, > 0 after), and only the adapted linear layers changed."""
+    """LoRA: 2 steps on ZeRO-3 with vLLM generating from the merged weights (its log-probs of its
+    own samples match the trainer's at step 2, after the adapters moved), the reference is the
+    policy with adapters off (KL > 0 once they moved), and only the adapted linear layers
+    changed."""
     pytest.importorskip("peft")
     import torch
     from safetensors.torch import load_file
 
     run = tmp_path / "r"
-    run_sh("--max_steps", "2", "--use_vllm", "True", "--lora_r", "8", "--learning_rate", "5e-2",
-           "--beta", "0.04", "--num_iterations", "2", "--vllm_importance_cap", "2.0",
-           env={"RUN_DIR": str(run)})
+    run_sh(
+        "--max_steps",
+        "2",
+        "--use_vllm",
+        "True",
+        "--lora_r",
+        "8",
+        "--learning_rate",
+        "5e-2",
+        "--beta",
+        "0.04",
+        "--num_iterations",
+        "2",
+        "--vllm_importance_cap",
+        "2.0",
+        env={"RUN_DIR": str(run)},
+    )
     rows = train_rows(run)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["kl"] > 0  # adapters on vs off
     for r in rows:
         assert r["vllm_is_ratio"] == pytest.approx(1.0, abs=1e-3)  # vLLM holds the merged weights
-    before, after = load_file(run / "model" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    before, after = (
+        load_file(run / "model" / "model.safetensors"),
+        load_file(run / "final" / "model.safetensors"),
+    )
     assert set(after) == set(before)  # the final model is a plain model: merged, base-model names
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(k.endswith(("_proj.weight",)) for k in changed), sorted(changed)

@@ -12,11 +12,22 @@ import os
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
-                          Gemma3TextConfig)
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+)
 
 from conftest import ROOT, torchrun
-from logprobs import positions_from_mask, fused_logps, model_logps, per_token_logps, selective_log_softmax
+from logprobs import (
+    fused_logps,
+    model_logps,
+    per_token_logps,
+    positions_from_mask,
+    selective_log_softmax,
+)
 
 
 def naive_from_logits(logits, index):
@@ -27,7 +38,9 @@ def naive_from_logits(logits, index):
 
 def naive_from_model(model, ids, mask, K, temperature=1.0):
     """Full (B, T, V) logits, same position ids as generation."""
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False).logits
+    logits = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False
+    ).logits
     return naive_from_logits(logits[:, -K - 1 : -1] / temperature, ids[:, -K:])
 
 
@@ -107,8 +120,15 @@ def naive_head(hidden, weight, bias, targets, temperature, softcap=None):
 def test_fused_logps_fp32_values_and_grads(temperature, chunk_size, vocab_chunk_size, bias):
     hidden, weight, b, targets = make_head(bias=bias)
     inputs = [t for t in (hidden, weight, b) if t is not None]
-    logp = fused_logps(hidden, weight, targets, bias=b, temperature=temperature, chunk_size=chunk_size,
-                       vocab_chunk_size=vocab_chunk_size)
+    logp = fused_logps(
+        hidden,
+        weight,
+        targets,
+        bias=b,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+    )
     ref, _ = naive_head(hidden, weight, b, targets, temperature)
     close(logp, ref, 1e-5)
     for a, r in zip(grads(logp, inputs), grads(ref, inputs)):
@@ -120,8 +140,16 @@ def test_fused_logps_fp32_values_and_grads(temperature, chunk_size, vocab_chunk_
 def test_fused_logps_entropy_values_and_grads(temperature, vocab_chunk_size):
     hidden, weight, b, targets = make_head(N=29)
     inputs = [hidden, weight, b]
-    logp, ent = fused_logps(hidden, weight, targets, bias=b, temperature=temperature, chunk_size=4,
-                            return_entropy=True, vocab_chunk_size=vocab_chunk_size)
+    logp, ent = fused_logps(
+        hidden,
+        weight,
+        targets,
+        bias=b,
+        temperature=temperature,
+        chunk_size=4,
+        return_entropy=True,
+        vocab_chunk_size=vocab_chunk_size,
+    )
     ref_lp, ref_ent = naive_head(hidden, weight, b, targets, temperature)
     close(logp, ref_lp, 1e-5)
     close(ent, ref_ent, 1e-5)
@@ -137,8 +165,18 @@ def test_fused_logps_entropy_values_and_grads(temperature, vocab_chunk_size):
 
 def test_fused_logps_gradcheck_fp64():
     hidden, weight, b, targets = make_head(N=6, H=5, V=7, dtype=torch.float64)
-    fn = lambda h, w, bb: torch.cat(fused_logps(h, w, targets, bb, 0.9, chunk_size=4, return_entropy=True,  # noqa: E731
-                                                vocab_chunk_size=3))
+    fn = lambda h, w, bb: torch.cat(  # noqa: E731
+        fused_logps(
+            h,
+            w,
+            targets,
+            bb,
+            0.9,
+            chunk_size=4,
+            return_entropy=True,
+            vocab_chunk_size=3,
+        )
+    )
     assert torch.autograd.gradcheck(fn, (hidden, weight, b))
 
 
@@ -146,15 +184,24 @@ def test_fused_logps_gradcheck_fp64():
 # 5 does not divide N = 37, nor 7 or 10 V = 53
 @pytest.mark.parametrize("chunk_size,vocab_chunk_size", [(None, None), (5, 7), (37, 10)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_logps_softcap_fp64_values_entropy_and_grads(temperature, chunk_size,
-                                                           vocab_chunk_size, bias):
+def test_fused_logps_softcap_fp64_values_entropy_and_grads(
+    temperature, chunk_size, vocab_chunk_size, bias
+):
     hidden, weight, b, targets = make_head(dtype=torch.float64, bias=bias)
     with torch.no_grad():
         hidden.mul_(4)  # logits of a few units: the cap of 2 bends most of them
     inputs = [t for t in (hidden, weight, b) if t is not None]
-    logp, ent = fused_logps(hidden, weight, targets, bias=b, temperature=temperature,
-                            chunk_size=chunk_size, return_entropy=True,
-                            vocab_chunk_size=vocab_chunk_size, softcap=2.0)
+    logp, ent = fused_logps(
+        hidden,
+        weight,
+        targets,
+        bias=b,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=True,
+        vocab_chunk_size=vocab_chunk_size,
+        softcap=2.0,
+    )
     ref_lp, ref_ent = naive_head(hidden, weight, b, targets, temperature, softcap=2.0)
     assert logp.dtype == torch.float64
     close(logp, ref_lp, 1e-10)
@@ -173,9 +220,21 @@ def test_fused_logps_softcap_fp64_values_entropy_and_grads(temperature, chunk_si
 
 def test_fused_logps_softcap_gradcheck_and_off_values():
     hidden, weight, b, targets = make_head(N=6, H=5, V=7, dtype=torch.float64)
+
     def fn(h, w, bb):
-        return torch.cat(fused_logps(h, w, targets, bb, 0.9, chunk_size=4, return_entropy=True,
-                                     vocab_chunk_size=3, softcap=1.5))
+        return torch.cat(
+            fused_logps(
+                h,
+                w,
+                targets,
+                bb,
+                0.9,
+                chunk_size=4,
+                return_entropy=True,
+                vocab_chunk_size=3,
+                softcap=1.5,
+            )
+        )
 
     assert torch.autograd.gradcheck(fn, (hidden, weight, b))
     plain = fused_logps(hidden, weight, targets, b, 0.9)
@@ -188,7 +247,9 @@ def test_fused_logps_softcap_gradcheck_and_off_values():
 def test_fused_logps_bf16():
     hidden, weight, b, targets = make_head(N=40, H=32, V=300, dtype=torch.bfloat16)
     inputs = [hidden, weight, b]
-    logp = fused_logps(hidden, weight, targets, bias=b, temperature=0.8, chunk_size=16, vocab_chunk_size=64)
+    logp = fused_logps(
+        hidden, weight, targets, bias=b, temperature=0.8, chunk_size=16, vocab_chunk_size=64
+    )
     ref, _ = naive_head(hidden, weight, b, targets, 0.8)
     assert logp.dtype == torch.float32
     close(logp, ref, 2e-2)
@@ -235,8 +296,15 @@ def test_fused_logps_never_builds_n_by_v(return_entropy, softcap):
     N, H, V, C, v = 64, 8, 1000, 16, 96
     hidden, weight, _, targets = make_head(N=N, H=H, V=V, bias=False)
     with LargestTensor() as mode:
-        out = fused_logps(hidden, weight, targets, chunk_size=C, vocab_chunk_size=v,
-                          return_entropy=return_entropy, softcap=softcap)
+        out = fused_logps(
+            hidden,
+            weight,
+            targets,
+            chunk_size=C,
+            vocab_chunk_size=v,
+            return_entropy=return_entropy,
+            softcap=softcap,
+        )
         loss = out[0].sum() + out[1].sum() if return_entropy else out.sum()
         loss.backward()
     # besides the (V, H) weight gradient and (N, H) hidden gradient, nothing exceeds one (C, v) tile
@@ -273,8 +341,9 @@ def batch(vocab, B=4, T=16, seed=0):
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
 def model(request, tiny_model, tiny_tied_model):
-    m = AutoModelForCausalLM.from_pretrained(tiny_model if request.param == "untied" else tiny_tied_model,
-                                             dtype=torch.float32)
+    m = AutoModelForCausalLM.from_pretrained(
+        tiny_model if request.param == "untied" else tiny_tied_model, dtype=torch.float32
+    )
     assert m.config.tie_word_embeddings == (request.param == "tied")
     return m
 
@@ -300,15 +369,23 @@ def test_model_logps_matches_naive(model, K, gradient_checkpointing):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     try:
-        logp, ent = model_logps(model, ids, mask, K, temperature=1.2, chunk_size=5, return_entropy=True,
-                                vocab_chunk_size=13)
+        logp, ent = model_logps(
+            model,
+            ids,
+            mask,
+            K,
+            temperature=1.2,
+            chunk_size=5,
+            return_entropy=True,
+            vocab_chunk_size=13,
+        )
         ref_lp, ref_ent = naive_from_model(model, ids, mask, K, temperature=1.2)
         close(logp, ref_lp, 1e-5)
         close(ent, ref_ent, 1e-5)
         params = list(model.parameters())
         fa = torch.autograd.grad((logp * mask[:, -K:]).sum() + 0.1 * ent.sum(), params)
         fr = torch.autograd.grad((ref_lp * mask[:, -K:]).sum() + 0.1 * ref_ent.sum(), params)
-        for (name, _), a, r in zip(model.named_parameters(), fa, fr):
+        for (_, _), a, r in zip(model.named_parameters(), fa, fr):
             close(a, r, 1e-5)
         assert "forward" not in model.lm_head.__dict__  # lm_head restored
         # the lm_head is back to producing logits
@@ -321,7 +398,9 @@ def test_model_logps_matches_naive(model, K, gradient_checkpointing):
 
 def test_model_logps_packed_rows_match_padded(model):
     """Two sequences packed in one row (positions restart, no mask) score as when padded."""
-    ids = torch.randint(3, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(
+        3, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3)
+    )
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # sequence 1 is 6 tokens, left-padded
     ids[mask == 0] = 0
@@ -357,9 +436,17 @@ def test_logits_to_keep_validated(model):
 def tiny_gemma(kind, cap):
     """A 2-layer Gemma-2 or Gemma-3 text model in fp64 (head_dim 64, hidden 64, V = 50), tied
     embeddings. initializer_range 0.4 gives logits of a few units, so a cap of 2 bends them."""
-    common = dict(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=1, num_key_value_heads=1, head_dim=64, initializer_range=0.4,
-                  final_logit_softcapping=cap)
+    common = dict(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        initializer_range=0.4,
+        final_logit_softcapping=cap,
+    )
     config = Gemma2Config(**common) if kind == "gemma2" else Gemma3TextConfig(**common)
     torch.manual_seed(0)
     return (Gemma2ForCausalLM if kind == "gemma2" else Gemma3ForCausalLM)(config).double()
@@ -370,8 +457,9 @@ def test_model_logps_softcapped_model_matches_naive(kind):
     model = tiny_gemma(kind, cap=2.0)
     ids, mask = batch(model.config.vocab_size)
     K = 9
-    logp, ent = model_logps(model, ids, mask, K, temperature=0.8, chunk_size=5, return_entropy=True,
-                            vocab_chunk_size=13)
+    logp, ent = model_logps(
+        model, ids, mask, K, temperature=0.8, chunk_size=5, return_entropy=True, vocab_chunk_size=13
+    )
     assert model.config.final_logit_softcapping == 2.0  # put back after the call
     ref_lp, ref_ent = naive_from_model(model, ids, mask, K, temperature=0.8)  # logits come capped
     assert logp.dtype == torch.float64
@@ -404,6 +492,14 @@ def test_model_logps_puts_the_cap_back_on_error():
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_step_matches_naive(stage, tiny_model, tiny_tied_model):
     extra = ["--gradient_checkpointing"] if stage == 3 else []
-    proc = torchrun(os.path.join(ROOT, "tests", "dist_logprobs.py"), "--stage", stage,
-                    "--model", tiny_model, "--model", tiny_tied_model, *extra)
+    proc = torchrun(
+        os.path.join(ROOT, "tests", "dist_logprobs.py"),
+        "--stage",
+        stage,
+        "--model",
+        tiny_model,
+        "--model",
+        tiny_tied_model,
+        *extra,
+    )
     assert "OK" in proc.stdout, proc.stdout[-3000:]

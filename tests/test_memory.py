@@ -1,4 +1,6 @@
-"""memory.py: the ledger sees real allocations on CPU; the estimate's arithmetic by hand and vs real models."""
+"""memory.py: the ledger sees real allocations on CPU; the estimate's arithmetic by hand and vs real
+models."""
+
 import os
 
 import pytest
@@ -8,11 +10,22 @@ from memory import GB, PRESETS, MemoryLedger, estimate_memory, knobs_to_fit, mod
 
 MB = 2**20
 # small Llama-style shape: per layer q,k,v 64*3*64 + o 64*64 + MLP 3*64*128 + norms 2*64 = 41088
-SMALL = dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=1, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)
+SMALL = dict(
+    model_type="llama",
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=1,
+    num_key_value_heads=1,
+    head_dim=64,
+    tie_word_embeddings=False,
+)
 N_SMALL = 2 * 41088 + 2 * 1000 * 64 + 64  # layers + embed + lm_head + final norm = 210240
 
-linux = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="VmHWM reset needs Linux /proc")
+linux = pytest.mark.skipif(
+    not os.path.exists("/proc/self/clear_refs"), reason="VmHWM reset needs Linux /proc"
+)
 
 
 @linux
@@ -42,11 +55,24 @@ def test_ledger_sees_an_allocation_inside_a_phase():
 
 def test_parameter_count_matches_real_models():
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
     assert model_shape(SMALL)["N"] == N_SMALL
-    assert LlamaForCausalLM(LlamaConfig(**{k: v for k, v in SMALL.items() if k != "model_type"})).num_parameters() \
+    assert (
+        LlamaForCausalLM(
+            LlamaConfig(**{k: v for k, v in SMALL.items() if k != "model_type"})
+        ).num_parameters()
         == N_SMALL
-    qwen = dict(PRESETS["qwen2.5-0.5b"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, vocab_size=500)  # tied, q/k/v biases
+    )
+    # tied, q/k/v biases
+    qwen = dict(
+        PRESETS["qwen2.5-0.5b"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=500,
+    )
     assert model_shape(qwen)["N"] == Qwen2ForCausalLM(Qwen2Config(**qwen)).num_parameters()
     # the presets are the published sizes: 0.49 B, 1.54 B, 3.09 B, 7.62 B
     assert [round(model_shape(k)["N"] / 1e9, 2) for k in PRESETS] == [0.49, 1.54, 3.09, 7.62]
@@ -54,8 +80,13 @@ def test_parameter_count_matches_real_models():
 
 def test_config_from_path(tmp_path):
     import json
+
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
-    assert model_shape(str(tmp_path))["N"] == model_shape(str(tmp_path / "config.json"))["N"] == N_SMALL
+    assert (
+        model_shape(str(tmp_path))["N"]
+        == model_shape(str(tmp_path / "config.json"))["N"]
+        == N_SMALL
+    )
     with pytest.raises(ValueError, match="presets"):
         model_shape("no-such-model")
 
@@ -68,17 +99,26 @@ def test_states_by_hand_per_zero_stage(stage):
     assert p["grads"] == (2 * N // W if stage >= 2 else 2 * N)
     assert p["optimizer"] == (12 * N // W if stage >= 1 else 12 * N)  # fp32 master + m + v
     p32 = estimate_memory(SMALL, world_size=W, zero_stage=stage, dtype="fp32")["pieces"]
-    assert p32["optimizer"] == (8 * N // W if stage >= 1 else 8 * N) and p32["fp32_grad_partition"] == 0
+    assert (
+        p32["optimizer"] == (8 * N // W if stage >= 1 else 8 * N)
+        and p32["fp32_grad_partition"] == 0
+    )
     if stage >= 1:
-        off = estimate_memory(SMALL, world_size=W, zero_stage=stage, dtype="bf16", offload_optimizer=True)
-        assert off["pieces"]["optimizer"] == 0 and off["pieces"]["grads"] == 64 * 64 * 2  # one reduce bucket
+        off = estimate_memory(
+            SMALL, world_size=W, zero_stage=stage, dtype="bf16", offload_optimizer=True
+        )
+        # one reduce bucket
+        assert off["pieces"]["optimizer"] == 0 and off["pieces"]["grads"] == 64 * 64 * 2
         assert off["cpu"] == 12 * N // W + 4 * N // W
 
 
 def test_activations_by_hand():
-    # A = 2(4 + b)H + b(2h + 2k)d + 4h + 4bI bytes per token per layer; bf16: 768 + 512 + 4 + 1024 = 2308
+    # A = 2(4 + b)H + b(2h + 2k)d + 4h + 4bI bytes per token per layer; bf16: 768 + 512 + 4 + 1024 =
+    # 2308
     m, S = 2, 100
-    p = estimate_memory(SMALL, micro_batch_size=m, seq_len=S, completion_len=50, dtype="bf16")["pieces"]
+    p = estimate_memory(SMALL, micro_batch_size=m, seq_len=S, completion_len=50, dtype="bf16")[
+        "pieces"
+    ]
     assert p["activations_full"] == 3 * 2308 * m * S  # (L + 1) A m S
     assert p["activations_ckpt"] == 2 * 2 * 64 * m * S + 2308 * m * S  # L b H m S + A m S
     assert p["kv_cache"] == 2 * 2 * 1 * 64 * 2 * min(256, 1 * 8) * S  # 2 L k d b x sequences x S
@@ -89,12 +129,19 @@ def test_monotonic_in_the_knobs():
     e = lambda **kw: estimate_memory("qwen2.5-1.5b", **{**base, **kw})  # noqa: E731
     top = lambda est: max(est["phases"].values())  # noqa: E731
     assert e(gradient_checkpointing=True)["phases"]["update"] < e()["phases"]["update"]
-    assert all(a < b for a, b in zip(e(offload_optimizer=True)["phases"].values(), e()["phases"].values()))
+    assert all(
+        a < b for a, b in zip(e(offload_optimizer=True)["phases"].values(), e()["phases"].values())
+    )
     assert top(e(offload_params=True)) < top(e())
     assert top(e(micro_batch_size=2)) < top(e())
-    assert e(fused_logprobs=False)["pieces"]["logprob_update"] > 10 * e()["pieces"]["logprob_update"]
+    assert (
+        e(fused_logprobs=False)["pieces"]["logprob_update"] > 10 * e()["pieces"]["logprob_update"]
+    )
     z2, z3 = e(zero_stage=2, world_size=8)["pieces"], e(zero_stage=3, world_size=8)["pieces"]
-    assert z3["params"] * 8 == z2["params"] and e(world_size=4)["pieces"]["params"] * 2 == e()["pieces"]["params"]
+    assert (
+        z3["params"] * 8 == z2["params"]
+        and e(world_size=4)["pieces"]["params"] * 2 == e()["pieces"]["params"]
+    )
     assert e(gather_for_generation=False)["phases"]["rollout"] < e()["phases"]["rollout"]
 
 
@@ -108,6 +155,7 @@ def test_knobs_bring_7b_under_80gb():
 
 def test_cli_prints_table_and_knobs(capsys):
     from memory import main
+
     main(["--model", "qwen2.5-7b", "--world_size", "1", "--zero_stage", "3", "--device_gb", "80"])
     out = capsys.readouterr().out
     assert "update" in out and "OVER" in out and "to fit in 80 GB" in out

@@ -13,7 +13,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def naive_gae(rewards, values, mask, gamma, lam):
-    """Sequence by sequence in Python floats: keep the unmasked steps, run the textbook recursion."""
+    """Sequence by sequence in Python floats: keep the unmasked steps, run the textbook
+    recursion."""
     B, C = len(rewards), len(rewards[0])
     adv = [[0.0] * C for _ in range(B)]
     for i in range(B):
@@ -58,7 +59,8 @@ def test_gae_hand_computed():
     adv, ret = gae(rewards, values, mask, 1.0, 1.0)
     # t=1: delta = 1 + 0 - 0.2 = 0.8; t=0: delta = 0 + 0.2 - 0.5 = -0.3, A = -0.3 + 0.8 = 0.5
     torch.testing.assert_close(adv, torch.tensor([[0.5, 0.8, 0.0]]))
-    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 0.0]]))  # gamma = lam = 1: reward-to-go
+    # gamma = lam = 1: reward-to-go
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 0.0]]))
     adv, ret = gae(rewards, values, mask, 0.9, 0.5)
     # t=0: delta = 0.9 * 0.2 - 0.5 = -0.32, A = -0.32 + 0.45 * 0.8 = 0.04
     torch.testing.assert_close(adv, torch.tensor([[0.04, 0.8, 0.0]]))
@@ -71,8 +73,11 @@ def test_token_rewards():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     rewards, kl = token_rewards(logps, ref, mask, torch.tensor([2.0, -1.0]), kl_coef=0.1)
     torch.testing.assert_close(kl, torch.tensor([[0.5, 0.0, -1.0], [1.0, 0.0, 0.0]]))
-    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.0, 0.1 + 2.0], [-0.1 - 1.0, 0.0, 0.0]]))
-    rewards, _ = token_rewards(logps, None, mask, torch.tensor([2.0, -1.0]), kl_coef=0.1)  # no reference
+    torch.testing.assert_close(
+        rewards, torch.tensor([[-0.05, 0.0, 0.1 + 2.0], [-0.1 - 1.0, 0.0, 0.0]])
+    )
+    # no reference
+    rewards, _ = token_rewards(logps, None, mask, torch.tensor([2.0, -1.0]), kl_coef=0.1)
     torch.testing.assert_close(rewards, torch.tensor([[0.0, 0.0, 2.0], [-1.0, 0.0, 0.0]]))
 
 
@@ -97,7 +102,9 @@ def test_masked_whiten_across_ranks(tmp_path):
 
 def test_policy_loss_hand_computed():
     old = torch.zeros(1, 5, dtype=torch.float64)
-    logps = torch.log(torch.tensor([[1.5, 1.5, 0.5, 0.5, 3.0]], dtype=torch.float64)).requires_grad_()
+    logps = torch.log(
+        torch.tensor([[1.5, 1.5, 0.5, 0.5, 3.0]], dtype=torch.float64)
+    ).requires_grad_()
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 7.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1, 0]])  # the last token is padding
     loss, m = policy_loss(logps, old, adv, mask, clip_eps=0.2, normalizer=8.0)
@@ -107,7 +114,9 @@ def test_policy_loss_hand_computed():
     assert m["clip"].item() == 2 and m["tokens"].item() == 4
     assert m["ratio"].item() == pytest.approx(4.0)
     loss.backward()  # clipped tokens get no gradient; unclipped: d(-A r)/d logp = -A r
-    torch.testing.assert_close(logps.grad, torch.tensor([[0.0, 1.5, -0.5, 0.0, 0.0]], dtype=torch.float64) / 8.0)
+    torch.testing.assert_close(
+        logps.grad, torch.tensor([[0.0, 1.5, -0.5, 0.0, 0.0]], dtype=torch.float64) / 8.0
+    )
 
 
 def test_value_loss_hand_computed():
@@ -116,13 +125,15 @@ def test_value_loss_hand_computed():
     returns = torch.tensor([[0.0, 1.0, 0.4, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0]])
     loss, m = value_loss(values, old, returns, mask, clip_range_value=0.05, normalizer=3.0)
-    # token 0: clip(1.0) = 0.55: max(1.0, 0.3025) = 1.0; token 1: clip(0.6) = 0.55: max(0.16, 0.2025)
-    # = 0.2025 (clipped); token 2: 0.45 is inside [0.45, 0.55]: max(0.0025, 0.0025) = 0.0025
+    # token 0: clip(1.0) = 0.55: max(1.0, 0.3025) = 1.0; token 1: clip(0.6) = 0.55: max(0.16,
+    # 0.2025) = 0.2025 (clipped); token 2: 0.45 is inside [0.45, 0.55]: max(0.0025, 0.0025) = 0.0025
     want = 0.5 * (1.0 + 0.2025 + 0.0025) / 3.0
     assert loss.item() == pytest.approx(want)
     assert m["vf_clip"].item() == 1
     loss.backward()
-    torch.testing.assert_close(values.grad, torch.tensor([[1.0, 0.0, 0.05, 0.0]], dtype=torch.float64) / 3.0)
+    torch.testing.assert_close(
+        values.grad, torch.tensor([[1.0, 0.0, 0.05, 0.0]], dtype=torch.float64) / 3.0
+    )
 
 
 def test_losses_add_up_over_micro_batches():
@@ -132,16 +143,22 @@ def test_losses_add_up_over_micro_batches():
     mask = (torch.rand(6, 4, generator=g) > 0.2).long()
     n = float(mask.sum())
     full, _ = policy_loss(logps, old, adv, mask, 0.2, n)
-    parts = sum(policy_loss(logps[s], old[s], adv[s], mask[s], 0.2, n)[0] for s in (slice(0, 2), slice(2, 6)))
+    parts = sum(
+        policy_loss(logps[s], old[s], adv[s], mask[s], 0.2, n)[0]
+        for s in (slice(0, 2), slice(2, 6))
+    )
     assert full.item() == pytest.approx(parts.item())
     full, _ = value_loss(logps, old, adv, mask, 0.2, n)
-    parts = sum(value_loss(logps[s], old[s], adv[s], mask[s], 0.2, n)[0] for s in (slice(0, 3), slice(3, 6)))
+    parts = sum(
+        value_loss(logps[s], old[s], adv[s], mask[s], 0.2, n)[0] for s in (slice(0, 3), slice(3, 6))
+    )
     assert full.item() == pytest.approx(parts.item())
     assert math.isfinite(full.item())
 
 
 def test_accumulation_equivalence_deepspeed(tiny_model):
-    """Real DeepSpeed ZeRO-3 on 2 ranks: micro-batch x accumulation (4, 1), (1, 4) and packed micro-batches
-    of 2 give actor and critic the SGD update of the full 8-sequence policy / value loss gradient."""
+    """Real DeepSpeed ZeRO-3 on 2 ranks: micro-batch x accumulation (4, 1), (1, 4) and packed
+    micro-batches of 2 give actor and critic the SGD update of the full 8-sequence policy / value
+    loss gradient."""
     out = torchrun(os.path.join(HERE, "dist_ppo_accum.py"), tiny_model, timeout=300)
     assert "ppo accumulation equivalence OK" in out.stdout

@@ -18,8 +18,18 @@ from conftest import train_rows
 from tasks import TASK_CHARS
 from tiny_models import build_tiny
 
-SMALL = ["--prompts_per_rank", "4", "--num_generations", "2", "--num_eval_prompts", "8",
-         "--micro_train_batch_size", "4", "--eval_steps", "0"]
+SMALL = [
+    "--prompts_per_rank",
+    "4",
+    "--num_generations",
+    "2",
+    "--num_eval_prompts",
+    "8",
+    "--micro_train_batch_size",
+    "4",
+    "--eval_steps",
+    "0",
+]
 
 
 def run_sh(*args, **kw):
@@ -32,9 +42,17 @@ def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
     assert "held-out reward: start" in out
     full = train_rows(a)
     assert [r["step"] for r in full] == [1, 2, 3]
-    for name in ("final/config.json", "final/tokenizer.json", "curves.png", "args.json", "ppo.py",
-                 "checkpoints/latest", "checkpoints/step2/actor", "checkpoints/step2/critic",
-                 "checkpoints/step2/config.json"):
+    for name in (
+        "final/config.json",
+        "final/tokenizer.json",
+        "curves.png",
+        "args.json",
+        "ppo.py",
+        "checkpoints/latest",
+        "checkpoints/step2/actor",
+        "checkpoints/step2/critic",
+        "checkpoints/step2/config.json",
+    ):
         assert (a / name).exists(), name
     assert json.load(open(a / "args.json"))["ds_config_resolved"]["zero_optimization"]["stage"] == 3
     r = full[0]
@@ -47,25 +65,37 @@ def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
     b.mkdir()
     shutil.copytree(a / "model", b / "model")
     shutil.copytree(a / "checkpoints", b / "checkpoints")
-    out = run_sh("--max_steps", "3", "--resume", "True", "--save_model", "False", env={"RUN_DIR": str(b)})
+    out = run_sh(
+        "--max_steps", "3", "--resume", "True", "--save_model", "False", env={"RUN_DIR": str(b)}
+    )
     assert "resumed from" in out and "at step 2" in out
     resumed = train_rows(b)
     assert [r["step"] for r in resumed] == [3]
     for key in ("reward", "accuracy", "completion_len", "rewards/correct_reward/mean"):
         assert resumed[0][key] == full[2][key], key  # same prompts, same samples
-    for key in ("entropy", "kl", "value_mean", "value_loss", "policy_loss"):  # same actor, critic, optimizers
+    # same actor, critic, optimizers
+    for key in ("entropy", "kl", "value_mean", "value_loss", "policy_loss"):
         assert resumed[0][key] == pytest.approx(full[2][key], rel=1e-5, abs=1e-7), key
     assert abs(resumed[0]["value_mean"] - full[0]["value_mean"]) > 1e-4  # not an untrained critic
 
     # another config cannot resume: the message names what differs (before any step runs)
-    proc = run_sh("--max_steps", "4", "--resume", "True", "--critic_learning_rate", "0.5", env={"RUN_DIR": str(b)},
-                  wait=False)
+    proc = run_sh(
+        "--max_steps",
+        "4",
+        "--resume",
+        "True",
+        "--critic_learning_rate",
+        "0.5",
+        env={"RUN_DIR": str(b)},
+        wait=False,
+    )
     out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 2 and "critic_learning_rate: " in out and "-> 0.5" in out, out[-3000:]  # pre-flight
+    # pre-flight
+    assert proc.returncode == 2 and "critic_learning_rate: " in out and "-> 0.5" in out, out[-3000:]
     assert [r["step"] for r in train_rows(b)] == [3]
 
-
-    # Ctrl-C (SIGINT to run.sh) during step 1 or 2: the ranks finish the step, save it, stop (exit 5);
+    # Ctrl-C (SIGINT to run.sh) during step 1 or 2: the ranks finish the step, save it, stop (exit
+    # 5);
     # --resume then ends the run with the uninterrupted run's numbers
     c = tmp_path / "c"
     proc = run_sh("--max_steps", "3", env={"RUN_DIR": str(c)}, wait=False)
@@ -77,7 +107,9 @@ def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
     out = "".join(lines)
     assert proc.wait(timeout=300) == 5, out[-3000:]
     step = int(open(c / "checkpoints" / "latest").read().removeprefix("step"))
-    assert step in (1, 2) and f"stopped: SIGINT received; stopped after step {step}" in out, out[-3000:]
+    assert step in (1, 2) and f"stopped: SIGINT received; stopped after step {step}" in out, out[
+        -3000:
+    ]
     run_sh("--max_steps", "3", "--resume", "True", "--save_model", "False", env={"RUN_DIR": str(c)})
     rows = train_rows(c)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -86,10 +118,29 @@ def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
 
 
 def test_zero3_reward_model_packing_offload(tmp_path):
-    rm = build_tiny(str(tmp_path / "rm"), reward_model=True, chars=TASK_CHARS, seed=3)  # the actor's vocabulary
-    out = run_sh("--max_steps", "2", "--reward_model", rm, "--packing", "True", "--gradient_checkpointing", "True",
-                 "--frozen_offload", "True", "--attn_implementation", "eager", "--num_mini_batches", "2",
-                 "--micro_train_batch_size", "2", "--save_model", "False", env={"RUN_DIR": str(tmp_path / "r")})
+    # the actor's vocabulary
+    rm = build_tiny(str(tmp_path / "rm"), reward_model=True, chars=TASK_CHARS, seed=3)
+    out = run_sh(
+        "--max_steps",
+        "2",
+        "--reward_model",
+        rm,
+        "--packing",
+        "True",
+        "--gradient_checkpointing",
+        "True",
+        "--frozen_offload",
+        "True",
+        "--attn_implementation",
+        "eager",
+        "--num_mini_batches",
+        "2",
+        "--micro_train_batch_size",
+        "2",
+        "--save_model",
+        "False",
+        env={"RUN_DIR": str(tmp_path / "r")},
+    )
     rows = train_rows(tmp_path / "r")
     assert [r["step"] for r in rows] == [1, 2]
     assert "held-out reward: start" in out
@@ -103,10 +154,19 @@ def test_zero3_reward_model_packing_offload(tmp_path):
 
 def test_zero3_lora(tmp_path):
     pytest.importorskip("peft")
-    out = run_sh("--max_steps", "2", "--lora_r", "8", "--learning_rate", "1e-2", env={"RUN_DIR": str(tmp_path / "r")})
+    out = run_sh(
+        "--max_steps",
+        "2",
+        "--lora_r",
+        "8",
+        "--learning_rate",
+        "1e-2",
+        env={"RUN_DIR": str(tmp_path / "r")},
+    )
     rows = train_rows(tmp_path / "r")
     assert [r["step"] for r in rows] == [1, 2]
-    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # adapters start at zero: actor == reference
+    # adapters start at zero: actor == reference
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert rows[1]["kl"] != 0.0  # the reference (adapters off) stays put while the adapters move
     assert (tmp_path / "r" / "final" / "adapter_config.json").exists()
     assert "held-out reward: start" in out

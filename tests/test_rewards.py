@@ -3,9 +3,17 @@ the <think> format, the length penalty, and loading them as module:function."""
 
 import pytest
 
-from rewards import (answers_match, extract_answer, extract_boxed, length_penalty,
-                     make_length_penalty, math_reward, parse_number, think_continued_format_reward,
-                     think_format_reward)
+from rewards import (
+    answers_match,
+    extract_answer,
+    extract_boxed,
+    length_penalty,
+    make_length_penalty,
+    math_reward,
+    parse_number,
+    think_continued_format_reward,
+    think_format_reward,
+)
 from tasks import reward_functions, score_completions
 
 
@@ -17,54 +25,104 @@ def test_extract_boxed_nested_and_last():
     assert extract_boxed("no box {here}") is None
 
 
-@pytest.mark.parametrize("text,answer", [
-    (r"First 12, then \boxed{42}. Check: 40 + 2", "42"),  # boxed wins over a later number
-    ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72"),  # GSM8K
-    ("#### 1,000.\nthat is all", "1,000."),  # the rest of the #### line only
-    ("It costs $1,000.", "1,000"),  # the last number, commas kept, trailing period dropped
-    ("So x = -7", "-7"),
-    ("5-3=2", "2"),  # a minus after a digit is a subtraction, not a sign
-    ("from 3 to (-4)", "-4"),
-    ("half: 1/2.", "1/2"),
-    ("the answer is .5", ".5"),
-    ("<think>try 3, 4, 5</think> it is 6", "6"),  # numbers in the reasoning are not answers
-    (r"<think>\boxed{1}</think> no number", None),
-    ("no answer at all", None),
-    ("#### ", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text,answer",
+    [
+        (r"First 12, then \boxed{42}. Check: 40 + 2", "42"),  # boxed wins over a later number
+        ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72"),  # GSM8K
+        ("#### 1,000.\nthat is all", "1,000."),  # the rest of the #### line only
+        ("It costs $1,000.", "1,000"),  # the last number, commas kept, trailing period dropped
+        ("So x = -7", "-7"),
+        ("5-3=2", "2"),  # a minus after a digit is a subtraction, not a sign
+        ("from 3 to (-4)", "-4"),
+        ("half: 1/2.", "1/2"),
+        ("the answer is .5", ".5"),
+        ("<think>try 3, 4, 5</think> it is 6", "6"),  # numbers in the reasoning are not answers
+        (r"<think>\boxed{1}</think> no number", None),
+        ("no answer at all", None),
+        ("#### ", None),
+        ("", None),
+    ],
+)
 def test_extract_answer(text, answer):
     assert extract_answer(text) == answer
 
 
-@pytest.mark.parametrize("s,value", [
-    ("1,000", 1000.0), ("1000.0", 1000.0), ("-3.5", -3.5), ("1/2", 0.5), (r"\frac{1}{2}", 0.5),
-    (r"\dfrac{3}{4}", 0.75), (r"-\frac{1}{4}", -0.25), (r"\frac{-1}{4}", -0.25), ("50%", 50.0),
-    (r"50\%", 50.0),
-    ("$12", 12.0), (r"\$12.50", 12.5), ("x = 5", 5.0), (r"7\text{ cm}", 7.0), (r"90^\circ", 90.0),
-    (r"1{,}000", 1000.0), (r"1\,000", 1000.0), ("42.", 42.0), ("−5", -5.0), (".5", 0.5),
-    ("1,2", None), ("1,0000", None), ("inf", None), ("nan", None), ("x^2 + 1", None), ("1/0", None),
-    (r"\frac{1}{0}", None), ("", None), (r"\text{(A)}", None),
-])
+@pytest.mark.parametrize(
+    "s,value",
+    [
+        ("1,000", 1000.0),
+        ("1000.0", 1000.0),
+        ("-3.5", -3.5),
+        ("1/2", 0.5),
+        (r"\frac{1}{2}", 0.5),
+        (r"\dfrac{3}{4}", 0.75),
+        (r"-\frac{1}{4}", -0.25),
+        (r"\frac{-1}{4}", -0.25),
+        ("50%", 50.0),
+        (r"50\%", 50.0),
+        ("$12", 12.0),
+        (r"\$12.50", 12.5),
+        ("x = 5", 5.0),
+        (r"7\text{ cm}", 7.0),
+        (r"90^\circ", 90.0),
+        (r"1{,}000", 1000.0),
+        (r"1\,000", 1000.0),
+        ("42.", 42.0),
+        ("−5", -5.0),
+        (".5", 0.5),
+        ("1,2", None),
+        ("1,0000", None),
+        ("inf", None),
+        ("nan", None),
+        ("x^2 + 1", None),
+        ("1/0", None),
+        (r"\frac{1}{0}", None),
+        ("", None),
+        (r"\text{(A)}", None),
+    ],
+)
 def test_parse_number(s, value):
     assert parse_number(s) == value
 
 
 def test_answers_match_numbers_then_strings():
-    for a, b in [("1,000", "1000.0"), ("1/2", "0.5"), (r"\frac{1}{2}", ".5"), ("-7", "−7"),
-                 ("3.0", "3"), (r"\dfrac{\pi}{2}", r"\frac{\pi}{2}"),
-                 (r"\left( 1, 2 \right)", "(1,2)"), ("Yes.", "yes"), ("{5}", "5"),
-                 (r"\text{(B)}", "(b)")]:
+    for a, b in [
+        ("1,000", "1000.0"),
+        ("1/2", "0.5"),
+        (r"\frac{1}{2}", ".5"),
+        ("-7", "−7"),
+        ("3.0", "3"),
+        (r"\dfrac{\pi}{2}", r"\frac{\pi}{2}"),
+        (r"\left( 1, 2 \right)", "(1,2)"),
+        ("Yes.", "yes"),
+        ("{5}", "5"),
+        (r"\text{(B)}", "(b)"),
+    ]:
         assert answers_match(a, b) and answers_match(b, a), (a, b)
-    for a, b in [("0.333", "1/3"), ("-7", "7"), ("12", "1,2"), ("{1}+{2}", "1}+{2"), ("", ""),
-                 (None, "3"), ("3", None)]:
+    for a, b in [
+        ("0.333", "1/3"),
+        ("-7", "7"),
+        ("12", "1,2"),
+        ("{1}+{2}", "1}+{2"),
+        ("", ""),
+        (None, "3"),
+        ("3", None),
+    ]:
         assert not answers_match(a, b), (a, b)
 
 
 def test_math_reward():
-    completions = [r"We get \boxed{\frac{1}{2}}.", "48 + 24 = 72\n#### 72", "I think it's 1,000.",
-                   "It is -3", "It is 3", "no idea", r"<think>maybe 4</think>\boxed{5}",
-                   r"\boxed{x^2+1}"]
+    completions = [
+        r"We get \boxed{\frac{1}{2}}.",
+        "48 + 24 = 72\n#### 72",
+        "I think it's 1,000.",
+        "It is -3",
+        "It is 3",
+        "no idea",
+        r"<think>maybe 4</think>\boxed{5}",
+        r"\boxed{x^2+1}",
+    ]
     answers = ["0.5", "72", "1000", "-3", "-3", "3", "4", "x^2 + 1"]
     assert math_reward(None, completions, answers) == [1, 1, 1, 1, 0, 0, 0, 1]
     # a whole GSM8K solution or a boxed reference counts by its final answer, not its first number
@@ -73,10 +131,18 @@ def test_math_reward():
 
 
 def test_think_format_reward():
-    completions = ["<think>a</think>42", "  <think>\nlong\nreasoning\n</think>\n\nIt is 42.",
-                   "<think>a</think>", "<think>a</think>   ", "42", "<think>a<think>b</think>42",
-                   "<think>a</think>42<think>b</think>", "x<think>a</think>42", "<think>a 42",
-                   "</think>42"]
+    completions = [
+        "<think>a</think>42",
+        "  <think>\nlong\nreasoning\n</think>\n\nIt is 42.",
+        "<think>a</think>",
+        "<think>a</think>   ",
+        "42",
+        "<think>a<think>b</think>42",
+        "<think>a</think>42<think>b</think>",
+        "x<think>a</think>42",
+        "<think>a 42",
+        "</think>42",
+    ]
     assert think_format_reward(None, completions, [""] * 10) == [1, 1, 0, 0, 0, 0, 0, 0, 0, 0]
     # an R1-Zero style raw prompt that opens the block: the completion continues it
     prompts = ["... Assistant: <think>\n", "plain prompt"]

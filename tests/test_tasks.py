@@ -5,8 +5,18 @@ import json
 import pytest
 import torch
 
-from tasks import (batch_rows, correct_reward, default_task, exact_match_reward, format_reward, load_data, load_jsonl,
-                   reward_functions, score_completions, RewardError)
+from tasks import (
+    RewardError,
+    batch_rows,
+    correct_reward,
+    default_task,
+    exact_match_reward,
+    format_reward,
+    load_data,
+    load_jsonl,
+    reward_functions,
+    score_completions,
+)
 
 
 def test_default_task_split_and_answers():
@@ -22,12 +32,19 @@ def test_reward_functions_against_hand_written_cases():
     assert format_reward(None, completions, answers) == [1.0, 0.5, 0.5, 0.0, 0.0, 0.0]
     assert correct_reward(None, completions, answers) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
     assert correct_reward(None, ["8"], [""]) == [0.0]  # an empty answer is never right
-    assert exact_match_reward(None, ["work\n\n 42 \n", "42\nno", "42"], ["42", "42", 42]) == [1.0, 0.0, 1.0]
+    assert exact_match_reward(None, ["work\n\n 42 \n", "42\nno", "42"], ["42", "42", 42]) == [
+        1.0,
+        0.0,
+        1.0,
+    ]
 
 
 def test_reward_functions_defaults_names_and_errors():
     funcs, weights = reward_functions("", "", data="")
-    assert [f.__name__ for f in funcs] == ["format_reward", "correct_reward"] and weights == [0.25, 0.75]
+    assert [f.__name__ for f in funcs] == ["format_reward", "correct_reward"] and weights == [
+        0.25,
+        0.75,
+    ]
     funcs, weights = reward_functions("", "", data="x.jsonl")
     assert [f.__name__ for f in funcs] == ["exact_match_reward"] and weights == [1.0]
     funcs, weights = reward_functions("tasks:correct_reward, format_reward", "1,0.5", data="")
@@ -42,7 +59,9 @@ def test_reward_functions_defaults_names_and_errors():
 def test_score_completions_weighs_each_prompts_group():
     rows = [{"prompt": "83=", "answer": "8"}, {"prompt": "12=", "answer": "2"}]
     completions = ["8", "3", "2", "22"]  # two per prompt, prompt-major
-    total, per_func = score_completions([format_reward, correct_reward], [0.25, 0.75], rows, completions, 2)
+    total, per_func = score_completions(
+        [format_reward, correct_reward], [0.25, 0.75], rows, completions, 2
+    )
     torch.testing.assert_close(per_func["correct_reward"], torch.tensor([1.0, 0.0, 1.0, 1.0]))
     torch.testing.assert_close(total, torch.tensor([1.0, 0.25, 1.0, 0.875]))
     with pytest.raises(ValueError, match="returned 1 values for 4 completions"):
@@ -51,18 +70,25 @@ def test_score_completions_weighs_each_prompts_group():
 
 def test_load_jsonl_split_and_bad_input(tmp_path):
     good = tmp_path / "good.jsonl"
-    good.write_text("".join(json.dumps({"prompt": f"{i}=", "answer": str(i)}) + "\n" for i in range(10)) + "\n")
+    good.write_text(
+        "".join(json.dumps({"prompt": f"{i}=", "answer": str(i)}) + "\n" for i in range(10)) + "\n"
+    )
     train, held = load_jsonl(good, 3, 0)
-    assert len(train) == 7 and len(held) == 3 and not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    assert (
+        len(train) == 7
+        and len(held) == 3
+        and not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    )
     assert load_data(str(good), 3, 0) == (train, held) and load_data("", 3, 0) == default_task(3, 0)
     with pytest.raises(ValueError, match="lower it"):
         load_jsonl(good, 10, 0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1=", "answer": "1"}\n{"question": "2="}\n')
-    with pytest.raises(ValueError, match="bad.jsonl line 2 has no string \"prompt\""):
+    with pytest.raises(ValueError, match='bad.jsonl line 2 has no string "prompt"'):
         load_jsonl(bad, 0, 0)
     bad.write_text('{"prompt": "1=", "answer": "1"}\n\n{"prompt": "2=", "answer": 2\n')
-    with pytest.raises(ValueError, match="bad.jsonl line 3 is not valid JSON"):  # blank lines still count
+    # blank lines still count
+    with pytest.raises(ValueError, match="bad.jsonl line 3 is not valid JSON"):
         load_jsonl(bad, 0, 0)
     bad.write_text("\n")
     with pytest.raises(ValueError, match="has no rows"):
@@ -80,9 +106,15 @@ def test_reward_failures_name_the_function():
     def nan(p, c, a):
         return [float("nan")] * len(c)
 
-    for f, msg in ((raises, r"test_tasks.raises raised ZeroDivisionError: float division by zero \(at test_tasks.py:\d+\)"),
-                   (nan, r"test_tasks.nan returned nan for completion 0 \('8'\)"),
-                   (lambda p, c, a: None, "returned NoneType None; it must return a list of floats")):
+    for f, msg in (
+        (
+            raises,
+            r"test_tasks.raises raised ZeroDivisionError: float division by zero \(at "
+            r"test_tasks.py:\d+\)",
+        ),
+        (nan, r"test_tasks.nan returned nan for completion 0 \('8'\)"),
+        (lambda p, c, a: None, "returned NoneType None; it must return a list of floats"),
+    ):
         with pytest.raises(RewardError, match=msg) as e:
             score_completions([f], [1.0], rows, ["8", "3"], 2)
         assert e.value.exit_code == 2 and not e.value.everywhere
@@ -93,6 +125,7 @@ def test_batch_rows_is_a_function_of_the_step_and_covers_each_epoch():
     assert batch_rows(train, 7, 64, 0) == batch_rows(train, 7, 64, 0)  # what resume relies on
     epoch = [r["prompt"] for s in range(25) for r in batch_rows(train, s, 32, 0)]
     assert sorted(epoch) == sorted(r["prompt"] for r in train)
-    assert batch_rows(train, 0, 32, 0) != batch_rows(train, 25, 32, 0)  # the next epoch is reshuffled
+    # the next epoch is reshuffled
+    assert batch_rows(train, 0, 32, 0) != batch_rows(train, 25, 32, 0)
     across = batch_rows(train, 24, 48, 0)  # a step that straddles two epochs still has n rows
     assert len(across) == 48

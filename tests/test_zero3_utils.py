@@ -17,13 +17,30 @@ def write(tmp_path, cfg):
 
 
 def test_load_ds_config_fills_auto_and_derives_batch(tmp_path):
-    path = write(tmp_path, {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-                            "bf16": {"enabled": "auto"},
-                            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
-                                                  "stage3_param_persistence_threshold": "auto"}})
-    cfg = load_ds_config(path, world_size=4, hidden_size=128, train_micro_batch_size_per_gpu=2,
-                         gradient_accumulation_steps=3, gradient_clipping=1.0, **{"bf16.enabled": True})
+    path = write(
+        tmp_path,
+        {
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"},
+            "zero_optimization": {
+                "stage": 3,
+                "reduce_bucket_size": "auto",
+                "stage3_param_persistence_threshold": "auto",
+            },
+        },
+    )
+    cfg = load_ds_config(
+        path,
+        world_size=4,
+        hidden_size=128,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=3,
+        gradient_clipping=1.0,
+        **{"bf16.enabled": True},
+    )
     assert cfg["train_batch_size"] == 24
     assert cfg["gradient_clipping"] == 1.0 and cfg["bf16"]["enabled"] is True
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 128 * 128
@@ -31,17 +48,41 @@ def test_load_ds_config_fills_auto_and_derives_batch(tmp_path):
 
 
 def test_load_ds_config_derives_missing_member():
-    cfg = load_ds_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, world_size=2)
+    cfg = load_ds_config(
+        {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, world_size=2
+    )
     assert cfg["gradient_accumulation_steps"] == 4
 
 
-@pytest.mark.parametrize("cfg, kwargs, words", [
-    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
-     {"world_size": 2}, ["train_batch_size=10", "= 8"]),
-    ({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2}, {"world_size": 2}, ["train_batch_size=7"]),
-    ({"train_micro_batch_size_per_gpu": 4}, {"train_micro_batch_size_per_gpu": 2}, ["train_micro_batch_size_per_gpu=4", "2"]),
-    ({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": "auto"}, {}, ["gradient_clipping", "auto"]),
-])
+@pytest.mark.parametrize(
+    "cfg, kwargs, words",
+    [
+        (
+            {
+                "train_batch_size": 10,
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 2,
+            },
+            {"world_size": 2},
+            ["train_batch_size=10", "= 8"],
+        ),
+        (
+            {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2},
+            {"world_size": 2},
+            ["train_batch_size=7"],
+        ),
+        (
+            {"train_micro_batch_size_per_gpu": 4},
+            {"train_micro_batch_size_per_gpu": 2},
+            ["train_micro_batch_size_per_gpu=4", "2"],
+        ),
+        (
+            {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": "auto"},
+            {},
+            ["gradient_clipping", "auto"],
+        ),
+    ],
+)
 def test_load_ds_config_rejects_contradictions(cfg, kwargs, words):
     with pytest.raises(ValueError) as e:
         load_ds_config(cfg, **kwargs)
@@ -52,7 +93,13 @@ def test_load_ds_config_rejects_contradictions(cfg, kwargs, words):
 def test_groups_are_bounded_and_ordered():
     sized = [(f"p{i}", n) for i, n in enumerate([5, 5, 3, 20, 1, 1, 9])]
     groups = list(_groups(sized, max_numel=10))
-    assert [[n for n, _ in g] for g in groups] == [["p0", "p1"], ["p2"], ["p3"], ["p4", "p5"], ["p6"]]
+    assert [[n for n, _ in g] for g in groups] == [
+        ["p0", "p1"],
+        ["p2"],
+        ["p3"],
+        ["p4", "p5"],
+        ["p6"],
+    ]
     for g in groups:  # a group exceeds the bound only when it is one item larger than it
         assert sum(n for _, n in g) <= 10 or len(g) == 1
 
