@@ -229,6 +229,17 @@ def in_range(value, rule):
     return above and (value < high if high_open else value <= high)
 
 
+def arg(default, help, range=None, why=None):
+    """An Args field in one line: its default, its --help text and, for a number, the range that
+    check_ranges enforces (">= 0", "> 0", "(0, 1]", ...) with an optional reason for the message."""
+    metadata = {"help": help}
+    if range is not None:
+        metadata["range"] = range
+    if why is not None:
+        metadata["why"] = why
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 def check_ranges(args):
     """Every field of the Args dataclass `args` whose metadata has a "range" holds a finite value in
     it; else a RunError naming the flag, the value and the range."""

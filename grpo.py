@@ -48,7 +48,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import deepspeed
 import torch
@@ -79,6 +79,7 @@ from checkpoint import (
 from checks import (
     RunError,
     StepGuard,
+    arg,
     check_ds_config,
     check_global_batch,
     check_inputs,
@@ -228,241 +229,127 @@ def grpo_loss(
 # Glue kept parallel with ppo.py's on purpose (README, Files): change both together.
 @dataclass
 class Args:
-    model: str = field(
-        default="", metadata={"help": "policy hub id or path; empty: tiny model from scratch"}
+    model: str = arg("", "policy hub id or path; empty: tiny model from scratch")
+    recipe: str = arg(
+        "",
+        "a named set of defaults, flags on the command line win; "
+        + "; ".join(
+            f"{name}: " + ", ".join(f"--{k} {v}" for k, v in values.items())
+            for name, values in RECIPES.items()
+        ),
     )
-    recipe: str = field(
-        default="",
-        metadata={
-            "help": "a named set of defaults, flags on the command line win; "
-            + "; ".join(
-                f"{name}: " + ", ".join(f"--{k} {v}" for k, v in values.items())
-                for name, values in RECIPES.items()
-            )
-        },
+    data: str = arg("", "JSONL of {prompt, answer}; empty: the largest-digit task")
+    reward_funcs: str = arg(
+        "",
+        "module:function,... each (prompts, completions, answers) -> list[float]; empty: the "
+        "task's own",
     )
-    data: str = field(
-        default="", metadata={"help": "JSONL of {prompt, answer}; empty: the largest-digit task"}
-    )
-    reward_funcs: str = field(
-        default="",
-        metadata={
-            "help": "module:function,... each (prompts, completions, "
-            "answers) -> list[float]; empty: the task's own"
-        },
-    )
-    reward_weights: str = field(
-        default="", metadata={"help": "one weight per reward; empty: 0.25,0.75 (task) or 1s"}
-    )
-    run_dir: str = field(
-        default="runs/grpo", metadata={"help": "metrics.jsonl, args, checkpoints, final model"}
-    )
-    ds_config: str = field(
-        default="configs/zero3.json", metadata={"help": 'DeepSpeed JSON, "auto" from these args'}
-    )
-    seed: int = field(
-        default=0,
-        metadata={"help": "data order, sampling and (default task) model init", "range": ">= 0"},
-    )
+    reward_weights: str = arg("", "one weight per reward; empty: 0.25,0.75 (task) or 1s")
+    run_dir: str = arg("runs/grpo", "metrics.jsonl, args, checkpoints, final model")
+    ds_config: str = arg("configs/zero3.json", 'DeepSpeed JSON, "auto" from these args')
+    seed: int = arg(0, "data order, sampling and (default task) model init", ">= 0")
     # rollout
-    prompts_per_rank: int = field(
-        default=16,
-        metadata={"help": "prompts per rank per step, G completions each", "range": ">= 1"},
+    prompts_per_rank: int = arg(16, "prompts per rank per step, G completions each", ">= 1")
+    num_generations: int = arg(
+        8,
+        "G: completions per prompt, one group",
+        ">= 2",
+        why="advantages compare completions within a group",
     )
-    num_generations: int = field(
-        default=8,
-        metadata={
-            "help": "G: completions per prompt, one group",
-            "range": ">= 2",
-            "why": "advantages compare completions within a group",
-        },
+    max_prompt_length: int = arg(512, "prompt tokens kept (from the left end)", ">= 1")
+    max_completion_length: int = arg(2, "C: new tokens per completion", ">= 1")
+    temperature: float = arg(1.0, "sampling temperature (log-probs use it too)", "> 0")
+    top_p: float = arg(1.0, "nucleus sampling", "(0, 1]")
+    use_vllm: bool = arg(False, "generate with a colocated vLLM engine per rank")
+    gather_for_generation: bool = arg(
+        True,
+        "ZeRO-3: gather to generate (fast); False: sharded, layer by layer (fits)",
     )
-    max_prompt_length: int = field(
-        default=512, metadata={"help": "prompt tokens kept (from the left end)", "range": ">= 1"}
+    generation_resident_gb: float = arg(
+        0.0,
+        "with gather_for_generation False: keep this many GB of layers gathered (middle mode)",
+        ">= 0",
     )
-    max_completion_length: int = field(
-        default=2, metadata={"help": "C: new tokens per completion", "range": ">= 1"}
-    )
-    temperature: float = field(
-        default=1.0,
-        metadata={"help": "sampling temperature (log-probs use it too)", "range": "> 0"},
-    )
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling", "range": "(0, 1]"})
-    use_vllm: bool = field(
-        default=False, metadata={"help": "generate with a colocated vLLM engine per rank"}
-    )
-    gather_for_generation: bool = field(
-        default=True,
-        metadata={
-            "help": "ZeRO-3: gather to generate (fast); False: sharded, layer by layer (fits)"
-        },
-    )
-    generation_resident_gb: float = field(
-        default=0.0,
-        metadata={
-            "help": "with gather_for_generation False: keep this many GB of layers gathered "
-            "(middle mode)",
-            "range": ">= 0",
-        },
-    )
-    generation_batch_size: int = field(
-        default=256, metadata={"help": "HF generate: sequences per call", "range": ">= 1"}
-    )
-    vllm_batch_size: int = field(
-        default=0, metadata={"help": "vLLM: prompts per call, 0 = all at once", "range": ">= 0"}
-    )
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "vLLM's share of GPU memory", "range": "(0, 1]"}
-    )
-    vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "ranks sharing one vLLM engine", "range": ">= 1"}
-    )
-    vllm_importance_cap: float = field(
-        default=0.0,
-        metadata={
-            "help": "> 0: truncated importance weights min(exp(trainer - vLLM logp), cap); 0: off",
-            "range": ">= 0",
-        },
+    generation_batch_size: int = arg(256, "HF generate: sequences per call", ">= 1")
+    vllm_batch_size: int = arg(0, "vLLM: prompts per call, 0 = all at once", ">= 0")
+    vllm_gpu_memory_utilization: float = arg(0.3, "vLLM's share of GPU memory", "(0, 1]")
+    vllm_tensor_parallel_size: int = arg(1, "ranks sharing one vLLM engine", ">= 1")
+    vllm_importance_cap: float = arg(
+        0.0,
+        "> 0: truncated importance weights min(exp(trainer - vLLM logp), cap); 0: off",
+        ">= 0",
     )
     # loss and update
-    loss_type: str = field(default="bnpo", metadata={"help": f"one of {LOSS_TYPES}"})
-    beta: float = field(
-        default=0.0, metadata={"help": "KL weight; 0 builds no reference model", "range": ">= 0"}
+    loss_type: str = arg("bnpo", f"one of {LOSS_TYPES}")
+    beta: float = arg(0.0, "KL weight; 0 builds no reference model", ">= 0")
+    epsilon_low: float = arg(0.2, "ratio clipped below at 1 - epsilon_low", "[0, 1)")
+    epsilon_high: float = arg(0.2, "ratio clipped above at 1 + epsilon_high", ">= 0")
+    scale_rewards: bool = arg(True, "divide advantages by the group std")
+    num_iterations: int = arg(1, "optimizer steps per generated batch", ">= 1")
+    learning_rate: float = arg(1e-3, "peak LR (from scratch; ~1e-6 pretrained)", "> 0")
+    weight_decay: float = arg(0.0, "AdamW weight decay", ">= 0")
+    warmup_steps: int = arg(0, "linear LR warmup steps", ">= 0")
+    max_grad_norm: float = arg(1.0, "gradient clipping", ">= 0")
+    max_bad_steps: int = arg(
+        3,
+        "stop after this many steps in a row skipped for non-finite loss or gradients",
+        ">= 1",
     )
-    epsilon_low: float = field(
-        default=0.2, metadata={"help": "ratio clipped below at 1 - epsilon_low", "range": "[0, 1)"}
+    per_device_train_batch_size: int = arg(32, "completions per micro-batch", ">= 1")
+    max_tokens_per_microbatch: int = arg(
+        0,
+        "> 0: micro-batches by padded-token budget (length-sorted), not by count",
+        ">= 0",
     )
-    epsilon_high: float = field(
-        default=0.2, metadata={"help": "ratio clipped above at 1 + epsilon_high", "range": ">= 0"}
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward")
+    logprob_chunk_size: int = arg(
+        0,
+        f"tokens per fused log-prob tile (x {DEFAULT_VOCAB_CHUNK_SIZE} vocab columns, "
+        f"fp32); 0: logprobs.py's {DEFAULT_CHUNK_SIZE}",
+        ">= 0",
     )
-    scale_rewards: bool = field(
-        default=True, metadata={"help": "divide advantages by the group std"}
+    ref_offload: bool = arg(False, "keep the reference model's shards in CPU memory")
+    lora_r: int = arg(
+        0,
+        "> 0: train LoRA adapters of this rank only (peft); the reference is the policy with "
+        "them off, vLLM and the final model get the merged weights",
+        ">= 0",
     )
-    num_iterations: int = field(
-        default=1, metadata={"help": "optimizer steps per generated batch", "range": ">= 1"}
+    lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
+    lora_target_modules: str = arg("all-linear", "peft target_modules")
+    dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
+    pad_token: str = arg(
+        "",
+        "the pad token for a tokenizer that has none (its eos token is fine); empty: the "
+        "tokenizer must have one",
     )
-    learning_rate: float = field(
-        default=1e-3, metadata={"help": "peak LR (from scratch; ~1e-6 pretrained)", "range": "> 0"}
-    )
-    weight_decay: float = field(
-        default=0.0, metadata={"help": "AdamW weight decay", "range": ">= 0"}
-    )
-    warmup_steps: int = field(
-        default=0, metadata={"help": "linear LR warmup steps", "range": ">= 0"}
-    )
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "gradient clipping", "range": ">= 0"}
-    )
-    max_bad_steps: int = field(
-        default=3,
-        metadata={
-            "help": "stop after this many steps in a row skipped for non-finite loss or gradients",
-            "range": ">= 1",
-        },
-    )
-    per_device_train_batch_size: int = field(
-        default=32, metadata={"help": "completions per micro-batch", "range": ">= 1"}
-    )
-    max_tokens_per_microbatch: int = field(
-        default=0,
-        metadata={
-            "help": "> 0: micro-batches by padded-token budget (length-sorted), not by count",
-            "range": ">= 0",
-        },
-    )
-    gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "recompute activations in backward"}
-    )
-    logprob_chunk_size: int = field(
-        default=0,
-        metadata={
-            "help": f"tokens per fused log-prob tile (x {DEFAULT_VOCAB_CHUNK_SIZE} vocab columns, "
-            f"fp32); 0: logprobs.py's {DEFAULT_CHUNK_SIZE}",
-            "range": ">= 0",
-        },
-    )
-    ref_offload: bool = field(
-        default=False, metadata={"help": "keep the reference model's shards in CPU memory"}
-    )
-    lora_r: int = field(
-        default=0,
-        metadata={
-            "help": "> 0: train LoRA adapters of this rank only (peft); the reference is the "
-            "policy with them off, vLLM and the final model get the merged weights",
-            "range": ">= 0",
-        },
-    )
-    lora_alpha: float = field(
-        default=32.0, metadata={"help": "LoRA scaling numerator", "range": "> 0"}
-    )
-    lora_target_modules: str = field(default="all-linear", metadata={"help": "peft target_modules"})
-    dtype: str = field(
-        default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"}
-    )
-    pad_token: str = field(
-        default="",
-        metadata={
-            "help": "the pad token for a tokenizer that has none (its eos "
-            "token is fine); empty: the tokenizer must have one"
-        },
-    )
-    max_steps: int = field(
-        default=100, metadata={"help": "training steps (one generated batch each)", "range": ">= 1"}
-    )
+    max_steps: int = arg(100, "training steps (one generated batch each)", ">= 1")
     # evaluation, logging, saving
-    eval_steps: int = field(
-        default=25,
-        metadata={
-            "help": "held-out reward every this many steps (and at start/end)",
-            "range": ">= 0",
-        },
+    eval_steps: int = arg(25, "held-out reward every this many steps (and at start/end)", ">= 0")
+    num_eval_prompts: int = arg(200, "held-out prompts, one sample each; 0: no eval", ">= 0")
+    save_steps: int = arg(0, "DeepSpeed checkpoint every this many steps; 0: none", ">= 0")
+    save_total_limit: int = arg(0, "keep only this many newest checkpoints; 0: all", ">= 0")
+    resume: bool = arg(
+        False,
+        "continue from the latest checkpoint in run_dir (same config and world size; see "
+        "checkpoint.py)",
     )
-    num_eval_prompts: int = field(
-        default=200,
-        metadata={"help": "held-out prompts, one sample each; 0: no eval", "range": ">= 0"},
+    overwrite: bool = arg(
+        False,
+        "a new run in a run_dir that holds an earlier run's checkpoints or metrics: delete them "
+        "first",
     )
-    save_steps: int = field(
-        default=0,
-        metadata={"help": "DeepSpeed checkpoint every this many steps; 0: none", "range": ">= 0"},
+    save_model: bool = arg(True, "write the final HF model to <run_dir>/final")
+    report_to: str = arg("none", "none or wandb (offline unless WANDB_MODE is set)")
+    estimate_memory: bool = arg(
+        False,
+        "print memory.py's per-phase, per-GPU estimate for these args (WORLD_SIZE from env) and "
+        "exit",
     )
-    save_total_limit: int = field(
-        default=0,
-        metadata={"help": "keep only this many newest checkpoints; 0: all", "range": ">= 0"},
-    )
-    resume: bool = field(
-        default=False,
-        metadata={
-            "help": "continue from the latest checkpoint in run_dir (same "
-            "config and world size; see checkpoint.py)"
-        },
-    )
-    overwrite: bool = field(
-        default=False,
-        metadata={
-            "help": "a new run in a run_dir that holds an earlier "
-            "run's checkpoints or metrics: delete them first"
-        },
-    )
-    save_model: bool = field(
-        default=True, metadata={"help": "write the final HF model to <run_dir>/final"}
-    )
-    report_to: str = field(
-        default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"}
-    )
-    estimate_memory: bool = field(
-        default=False,
-        metadata={
-            "help": "print memory.py's per-phase, per-GPU estimate "
-            "for these args (WORLD_SIZE from env) and exit"
-        },
-    )
-    preflight: bool = field(
-        default=False,
-        metadata={
-            "help": "check data, model, tokenizer, rewards, DeepSpeed "
-            "JSON and resume (WORLD_SIZE from env), then exit; "
-            "run.sh does this before torchrun"
-        },
+    preflight: bool = arg(
+        False,
+        "check data, model, tokenizer, rewards, DeepSpeed JSON and resume (WORLD_SIZE from "
+        "env), then exit; run.sh does this before torchrun",
     )
 
 

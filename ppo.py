@@ -48,7 +48,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import deepspeed
 import torch
@@ -82,6 +82,7 @@ from checkpoint import (
 from checks import (
     RunError,
     StepGuard,
+    arg,
     check_ds_config,
     check_global_batch,
     check_inputs,
@@ -217,202 +218,101 @@ def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
 # Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
 @dataclass
 class Args:
-    model: str = field(
-        default="", metadata={"help": "actor hub id or path; empty: tiny model from scratch"}
+    model: str = arg("", "actor hub id or path; empty: tiny model from scratch")
+    data: str = arg("", "JSONL of {prompt, answer}; empty: the largest-digit task")
+    reward_model: str = arg(
+        "",
+        "sequence-classification reward model (1 label, the actor's tokenizer); empty: "
+        "rule-based reward_funcs",
     )
-    data: str = field(
-        default="", metadata={"help": "JSONL of {prompt, answer}; empty: the largest-digit task"}
+    reward_funcs: str = arg(
+        "",
+        "module:function,... each (prompts, completions, answers) -> list[float]; empty: the "
+        "task's own",
     )
-    reward_model: str = field(
-        default="",
-        metadata={
-            "help": "sequence-classification reward model (1 label, the "
-            "actor's tokenizer); empty: rule-based reward_funcs"
-        },
-    )
-    reward_funcs: str = field(
-        default="",
-        metadata={
-            "help": "module:function,... each (prompts, completions, "
-            "answers) -> list[float]; empty: the task's own"
-        },
-    )
-    reward_weights: str = field(
-        default="", metadata={"help": "one weight per reward; empty: 0.25,0.75 (task) or 1s"}
-    )
-    run_dir: str = field(
-        default="runs/ppo", metadata={"help": "metrics.jsonl, args, checkpoints, final model"}
-    )
-    ds_config: str = field(
-        default="configs/zero3.json", metadata={"help": "DeepSpeed JSON for actor and critic"}
-    )
-    seed: int = field(
-        default=0,
-        metadata={"help": "data order, sampling and (default task) model init", "range": ">= 0"},
-    )
+    reward_weights: str = arg("", "one weight per reward; empty: 0.25,0.75 (task) or 1s")
+    run_dir: str = arg("runs/ppo", "metrics.jsonl, args, checkpoints, final model")
+    ds_config: str = arg("configs/zero3.json", "DeepSpeed JSON for actor and critic")
+    seed: int = arg(0, "data order, sampling and (default task) model init", ">= 0")
     # rollout
-    prompts_per_rank: int = field(
-        default=32, metadata={"help": "prompts per rank per step", "range": ">= 1"}
+    prompts_per_rank: int = arg(32, "prompts per rank per step", ">= 1")
+    num_generations: int = arg(4, "completions per prompt", ">= 1")
+    max_prompt_length: int = arg(512, "prompt tokens kept (from the left end)", ">= 1")
+    max_completion_length: int = arg(2, "C: new tokens per completion", ">= 1")
+    temperature: float = arg(1.0, "sampling temperature (log-probs use it too)", "> 0")
+    top_p: float = arg(1.0, "nucleus sampling", "(0, 1]")
+    gather_for_generation: bool = arg(
+        True,
+        "ZeRO-3: gather to generate (fast); False: sharded, layer by layer (fits)",
     )
-    num_generations: int = field(
-        default=4, metadata={"help": "completions per prompt", "range": ">= 1"}
-    )
-    max_prompt_length: int = field(
-        default=512, metadata={"help": "prompt tokens kept (from the left end)", "range": ">= 1"}
-    )
-    max_completion_length: int = field(
-        default=2, metadata={"help": "C: new tokens per completion", "range": ">= 1"}
-    )
-    temperature: float = field(
-        default=1.0,
-        metadata={"help": "sampling temperature (log-probs use it too)", "range": "> 0"},
-    )
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling", "range": "(0, 1]"})
-    gather_for_generation: bool = field(
-        default=True,
-        metadata={
-            "help": "ZeRO-3: gather to generate (fast); False: sharded, layer by layer (fits)"
-        },
-    )
-    generation_batch_size: int = field(
-        default=256, metadata={"help": "HF generate: sequences per call", "range": ">= 1"}
-    )
+    generation_batch_size: int = arg(256, "HF generate: sequences per call", ">= 1")
     # rewards, advantages, losses and the update
-    kl_coef: float = field(
-        default=0.01,
-        metadata={
-            "help": "per-token KL penalty in the reward; 0 builds no reference model",
-            "range": ">= 0",
-        },
+    kl_coef: float = arg(
+        0.01,
+        "per-token KL penalty in the reward; 0 builds no reference model",
+        ">= 0",
     )
-    gamma: float = field(default=1.0, metadata={"help": "discount", "range": "[0, 1]"})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda", "range": "[0, 1]"})
-    cliprange: float = field(
-        default=0.2, metadata={"help": "policy ratio clipped to [1 - c, 1 + c]", "range": "(0, 1)"}
+    gamma: float = arg(1.0, "discount", "[0, 1]")
+    lam: float = arg(0.95, "GAE lambda", "[0, 1]")
+    cliprange: float = arg(0.2, "policy ratio clipped to [1 - c, 1 + c]", "(0, 1)")
+    cliprange_value: float = arg(0.2, "value clipped to old value +- this", "> 0")
+    ppo_epochs: int = arg(2, "passes over each rollout batch", ">= 1")
+    num_mini_batches: int = arg(1, "optimizer steps per pass (per model)", ">= 1")
+    learning_rate: float = arg(2e-3, "actor LR (from scratch; ~1e-6 pretrained)", "> 0")
+    critic_learning_rate: float = arg(2e-3, "critic LR (~9e-6 pretrained)", "> 0")
+    weight_decay: float = arg(0.0, "AdamW weight decay", ">= 0")
+    max_grad_norm: float = arg(1.0, "gradient clipping", ">= 0")
+    max_bad_steps: int = arg(
+        3,
+        "stop after this many steps in a row skipped for non-finite loss or gradients",
+        ">= 1",
     )
-    cliprange_value: float = field(
-        default=0.2, metadata={"help": "value clipped to old value +- this", "range": "> 0"}
-    )
-    ppo_epochs: int = field(
-        default=2, metadata={"help": "passes over each rollout batch", "range": ">= 1"}
-    )
-    num_mini_batches: int = field(
-        default=1, metadata={"help": "optimizer steps per pass (per model)", "range": ">= 1"}
-    )
-    learning_rate: float = field(
-        default=2e-3, metadata={"help": "actor LR (from scratch; ~1e-6 pretrained)", "range": "> 0"}
-    )
-    critic_learning_rate: float = field(
-        default=2e-3, metadata={"help": "critic LR (~9e-6 pretrained)", "range": "> 0"}
-    )
-    weight_decay: float = field(
-        default=0.0, metadata={"help": "AdamW weight decay", "range": ">= 0"}
-    )
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "gradient clipping", "range": ">= 0"}
-    )
-    max_bad_steps: int = field(
-        default=3,
-        metadata={
-            "help": "stop after this many steps in a row skipped for non-finite loss or gradients",
-            "range": ">= 1",
-        },
-    )
-    micro_train_batch_size: int = field(
-        default=64,
-        metadata={"help": "sequences per micro-batch (forward/backward)", "range": ">= 1"},
-    )
+    micro_train_batch_size: int = arg(64, "sequences per micro-batch (forward/backward)", ">= 1")
     # memory
-    gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "recompute activations in backward"}
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward")
+    logprob_chunk_size: int = arg(
+        0,
+        f"tokens per fused log-prob tile (x {DEFAULT_VOCAB_CHUNK_SIZE} vocab columns, "
+        f"fp32); 0: logprobs.py's {DEFAULT_CHUNK_SIZE}",
+        ">= 0",
     )
-    logprob_chunk_size: int = field(
-        default=0,
-        metadata={
-            "help": f"tokens per fused log-prob tile (x {DEFAULT_VOCAB_CHUNK_SIZE} vocab columns, "
-            f"fp32); 0: logprobs.py's {DEFAULT_CHUNK_SIZE}",
-            "range": ">= 0",
-        },
+    attn_implementation: str = arg("sdpa", "sdpa, eager or flash_attention_2")
+    frozen_offload: bool = arg(
+        False,
+        "ZeRO-3: reference and reward model shards live in CPU memory",
     )
-    attn_implementation: str = field(
-        default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2"}
+    packing: bool = arg(False, "micro-batches as one row, no padding")
+    lora_r: int = arg(0, "> 0: LoRA adapters of this rank on actor and critic (peft)", ">= 0")
+    lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
+    lora_target_modules: str = arg("all-linear", "peft target_modules")
+    dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
+    pad_token: str = arg(
+        "",
+        "the pad token for a tokenizer that has none (its eos token is fine); empty: the "
+        "tokenizer must have one",
     )
-    frozen_offload: bool = field(
-        default=False,
-        metadata={"help": "ZeRO-3: reference and reward model shards live in CPU memory"},
-    )
-    packing: bool = field(default=False, metadata={"help": "micro-batches as one row, no padding"})
-    lora_r: int = field(
-        default=0,
-        metadata={
-            "help": "> 0: LoRA adapters of this rank on actor and critic (peft)",
-            "range": ">= 0",
-        },
-    )
-    lora_alpha: float = field(
-        default=32.0, metadata={"help": "LoRA scaling numerator", "range": "> 0"}
-    )
-    lora_target_modules: str = field(default="all-linear", metadata={"help": "peft target_modules"})
-    dtype: str = field(
-        default="auto", metadata={"help": "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32"}
-    )
-    pad_token: str = field(
-        default="",
-        metadata={
-            "help": "the pad token for a tokenizer that has none (its eos "
-            "token is fine); empty: the tokenizer must have one"
-        },
-    )
-    max_steps: int = field(
-        default=60, metadata={"help": "training steps (one rollout batch each)", "range": ">= 1"}
-    )
+    max_steps: int = arg(60, "training steps (one rollout batch each)", ">= 1")
     # evaluation, logging, saving
-    eval_steps: int = field(
-        default=20,
-        metadata={
-            "help": "held-out reward every this many steps (and at start/end)",
-            "range": ">= 0",
-        },
+    eval_steps: int = arg(20, "held-out reward every this many steps (and at start/end)", ">= 0")
+    num_eval_prompts: int = arg(200, "held-out prompts, one sample each; 0: no eval", ">= 0")
+    save_steps: int = arg(0, "DeepSpeed checkpoints every this many steps; 0: none", ">= 0")
+    save_total_limit: int = arg(0, "keep only this many newest checkpoints; 0: all", ">= 0")
+    resume: bool = arg(
+        False,
+        "continue from the latest checkpoint in run_dir (same config and world size; see "
+        "checkpoint.py)",
     )
-    num_eval_prompts: int = field(
-        default=200,
-        metadata={"help": "held-out prompts, one sample each; 0: no eval", "range": ">= 0"},
+    overwrite: bool = arg(
+        False,
+        "a new run in a run_dir that holds an earlier run's checkpoints or metrics: delete them "
+        "first",
     )
-    save_steps: int = field(
-        default=0,
-        metadata={"help": "DeepSpeed checkpoints every this many steps; 0: none", "range": ">= 0"},
-    )
-    save_total_limit: int = field(
-        default=0,
-        metadata={"help": "keep only this many newest checkpoints; 0: all", "range": ">= 0"},
-    )
-    resume: bool = field(
-        default=False,
-        metadata={
-            "help": "continue from the latest checkpoint in run_dir (same "
-            "config and world size; see checkpoint.py)"
-        },
-    )
-    overwrite: bool = field(
-        default=False,
-        metadata={
-            "help": "a new run in a run_dir that holds an earlier "
-            "run's checkpoints or metrics: delete them first"
-        },
-    )
-    save_model: bool = field(
-        default=True, metadata={"help": "write the final HF actor to <run_dir>/final"}
-    )
-    report_to: str = field(
-        default="none", metadata={"help": "none or wandb (offline unless WANDB_MODE is set)"}
-    )
-    preflight: bool = field(
-        default=False,
-        metadata={
-            "help": "check data, models, tokenizer, rewards, DeepSpeed "
-            "JSON and resume (WORLD_SIZE from env), then exit; "
-            "run.sh does this before torchrun"
-        },
+    save_model: bool = arg(True, "write the final HF actor to <run_dir>/final")
+    report_to: str = arg("none", "none or wandb (offline unless WANDB_MODE is set)")
+    preflight: bool = arg(
+        False,
+        "check data, models, tokenizer, rewards, DeepSpeed JSON and resume (WORLD_SIZE from "
+        "env), then exit; run.sh does this before torchrun",
     )
 
 
