@@ -277,6 +277,7 @@ def ours_worker(spec, result):
     sys.path[:0] = [ROOT, BENCH]
     prof = Profile(result, "ours")
     import torch
+    prof.write(threads=torch.get_num_threads())
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     import checks
@@ -315,6 +316,16 @@ def ours_worker(spec, result):
         prof.save_hwm()  # the ledger is about to reset VmHWM: keep the run's peak
         reset(self)
     memory.MemoryLedger.reset_peak = reset_peak
+    if spec.get("skip_one_rank_allreduce"):
+        import deepspeed
+        initialize = deepspeed.initialize
+
+        def initialize_without_allreduce(*a, **k):  # the grpo.py change README "vs TRL" proposes
+            out = initialize(*a, **k)
+            if out[0].dp_world_size == 1 and out[0].zero_optimization_stage() == 0:
+                out[0].enable_backward_allreduce = False
+            return out
+        deepspeed.initialize = initialize_without_allreduce
     code = checks.entry_code(grpo.main, spec["ours_argv"])
     rows = []
     metrics = os.path.join(spec["run_dir"], "metrics.jsonl")
@@ -353,6 +364,8 @@ def trl_worker(spec, result):
     sys.path[:0] = [TRL_DIR, BENCH]
     prof = Profile(result, "trl")
     hide_vllm()
+    import torch
+    prof.write(threads=torch.get_num_threads())
     import warnings
     warnings.filterwarnings("ignore", message=".*TRL currently supports vLLM.*")
     import torch
@@ -553,6 +566,9 @@ def main():
     ap.add_argument("--micro", type=int, help="completions per micro-batch, both sides")
     ap.add_argument("--prompt_chars", type=int, default=16, help="digits per prompt")
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ours' ZeRO stage")
+    ap.add_argument("--skip_one_rank_allreduce", action="store_true",
+                    help="ours: no gradient all-reduce at ZeRO-0 in one process (measures the "
+                         "grpo.py change README 'vs TRL' proposes; grpo.py as it is without it)")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS, both")
@@ -617,13 +633,21 @@ def main():
             spec = {"cfg": cfg, "model": model_dir, "prompts": prompts,
                     "conversational": conversational,
                     "run_dir": run_dir, "steps": cfg["steps"], "lr": a.lr, "seed": a.seed,
-                    "port": free_port(),
+                    "port": free_port(), "skip_one_rank_allreduce": a.skip_one_rank_allreduce,
                     "ours_argv": ours_argv(a, cfg, model_dir, data, ds_json, run_dir)}
             spec_path = os.path.join(work, f"{tag}.spec.json")
             with open(spec_path, "w") as f:
                 json.dump(spec, f)
-            r = run_one(side, spec_path, os.path.join(work, f"{tag}.result.json"),
-                        os.path.join(work, f"{tag}.log"), env, a.max_step_s, a.startup_s)
+            for attempt in range(2):  # once more after a failure that is not a timeout
+                log_file = os.path.join(work, f"{tag}.log" if attempt == 0 else f"{tag}.retry.log")
+                r = run_one(side, spec_path, os.path.join(work, f"{tag}.result.json"), log_file,
+                            env, a.max_step_s, a.startup_s)
+                if r["returncode"] == 0 or r["killed"]:
+                    break
+                # Why: the venv is shared with other sessions, whose installs have broken an
+                # import for a moment (transformers found torchaudio half-removed).
+                print(f"round {rnd} {side}: exit {r['returncode']} (see {log_file}); once more",
+                      flush=True)
             r["round"] = rnd
             runs.append(r)
             w, c, _, _ = measured(r, a.warmup)
@@ -654,6 +678,7 @@ def main():
                  "cpu_s_per_step": o["cpu_s_per_step"] / t["cpu_s_per_step"],
                  "peak_memory": o["peak_gb"] / t["peak_gb"]}
     out = {"config": a.config, "cfg": cfg, "parameters": params, "command": command,
+           "skip_one_rank_allreduce": a.skip_one_rank_allreduce,
            "trl_version": TRL_VERSION, "zero_stage": a.zero, "prompt_tokens": len(ours_ids[0]),
            "machine": f"{os.cpu_count()} CPUs" if not _cuda() else _cuda(), "warmup": a.warmup,
            "stopped": stop, "summary": summary, "ratio": ratio, "runs": runs}
