@@ -38,7 +38,7 @@ Setting map (ours grpo.py flag -> TRL GRPOConfig field):
   (N*G/m micro-batches, one optimizer step)   -> gradient_accumulation_steps=N*G/m,
                                                  steps_per_generation=N*G/m (one generate call
                                                  of N*G sequences per optimizer step)
-  --generation_batch_size 4096 (one call)     -> (TRL generates its whole generation batch at once)
+  --generation_batch_size >= N*G (one call)   -> (TRL generates its whole generation batch at once)
   --max_completion_length C                   -> max_completion_length=C
   --temperature 1 --top_p 1 (top_k 0)         -> temperature=1, top_p=1, top_k=0
   --loss_type bnpo (token sum / batch tokens) -> loss_type="dapo" (the same normaliser; TRL's
