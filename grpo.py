@@ -682,6 +682,10 @@ def main(argv=None):
         config=ds_config,
         lr_scheduler=warmup,
     )
+    if engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0:
+        # one rank: DeepSpeed's gradient all-reduce would only copy every gradient into one flat
+        # buffer (0.32 GB at 85M parameters, bench/vs_trl.py); the update is the same without it
+        engine.enable_backward_allreduce = False
     ref = None
     if args.beta > 0 and not args.lora_r:
         ref = frozen_engine(

@@ -91,23 +91,67 @@ TRL_DIR = os.path.join(BENCH, ".trl")
 TRL_VERSION = "1.16.0"
 # What `pip install trl==1.16.0` adds to the project's venv (pip's dry run), pinned: installed
 # with --no-deps so that torch, transformers and the rest come from the project's venv.
-TRL_DEPS = ["accelerate==1.15.0", "datasets==5.2.0", "multiprocess==0.70.19", "pandas==3.1.1",
-            "pyarrow==26.0.1"]
+TRL_DEPS = [
+    "accelerate==1.15.0",
+    "datasets==5.2.0",
+    "multiprocess==0.70.19",
+    "pandas==3.1.1",
+    "pyarrow==26.0.1",
+]
 QWEN_TOKENIZER = os.path.join(os.path.dirname(ROOT), "shared", "assets", "qwen2.5-tokenizer")
 OUT = os.path.join(BENCH, "out", "vs_trl")
 GB = 2**30
 
 CONFIGS = {  # body of the model, vocabulary, and the work per step
-    "tiny": dict(hidden=128, layers=2, intermediate=256, vocab="chars", tie=False, prompts=8,
-                 generations=8, completion=32, micro=8, steps=8, rounds=6),
-    "100m-toyvocab": dict(hidden=768, layers=12, intermediate=2048, vocab="chars", tie=False,
-                          prompts=8, generations=8, completion=128, micro=8, steps=3, rounds=2),
+    "tiny": dict(
+        hidden=128,
+        layers=2,
+        intermediate=256,
+        vocab="chars",
+        tie=False,
+        prompts=8,
+        generations=8,
+        completion=32,
+        micro=8,
+        steps=8,
+        rounds=6,
+    ),
+    "100m-toyvocab": dict(
+        hidden=768,
+        layers=12,
+        intermediate=2048,
+        vocab="chars",
+        tie=False,
+        prompts=8,
+        generations=8,
+        completion=128,
+        micro=8,
+        steps=3,
+        rounds=2,
+    ),
     # Tied embeddings as Qwen2.5-0.5B/1.5B/3B: an 85M body plus the 116M (V, H) embedding.
-    "100m-qwenvocab": dict(hidden=768, layers=12, intermediate=2048, vocab="qwen", tie=True,
-                           prompts=8, generations=8, completion=128, micro=8, steps=3, rounds=2),
+    "100m-qwenvocab": dict(
+        hidden=768,
+        layers=12,
+        intermediate=2048,
+        vocab="qwen",
+        tie=True,
+        prompts=8,
+        generations=8,
+        completion=128,
+        micro=8,
+        steps=3,
+        rounds=2,
+    ),
 }
-PHASES = ("generation", "rollout", "logprobs", "update_forward", "update_backward",
-          "optimizer_step")
+PHASES = (
+    "generation",
+    "rollout",
+    "logprobs",
+    "update_forward",
+    "update_backward",
+    "optimizer_step",
+)
 MEM_PHASES = ("rollout", "update", "optimizer_step")
 
 
@@ -137,17 +181,30 @@ def build_model(name, cfg, path):
         if saved["spec"] == spec:
             return path, saved["parameters"]
     if cfg["vocab"] == "chars":  # tiny_models' 100 tokens: 96 characters + 4 specials
-        build_tiny(path, hidden_size=cfg["hidden"], num_layers=cfg["layers"],
-                   intermediate_size=cfg["intermediate"], tie_word_embeddings=cfg["tie"], seed=0)
+        build_tiny(
+            path,
+            hidden_size=cfg["hidden"],
+            num_layers=cfg["layers"],
+            intermediate_size=cfg["intermediate"],
+            tie_word_embeddings=cfg["tie"],
+            seed=0,
+        )
         with open(os.path.join(path, "tiny_models.json")) as f:
             params = json.load(f)["num_parameters"]
     else:
         if not os.path.isdir(QWEN_TOKENIZER):
-            raise SystemExit(f"--config {name} needs the Qwen2.5 tokenizer at {QWEN_TOKENIZER} "
-                             "(../shared/assets beside the checkout)")
+            raise SystemExit(
+                f"--config {name} needs the Qwen2.5 tokenizer at {QWEN_TOKENIZER} "
+                "(../shared/assets beside the checkout)"
+            )
         tok = AutoTokenizer.from_pretrained(QWEN_TOKENIZER)
-        config = llama_config(len(tok), cfg["hidden"], cfg["layers"],
-                              intermediate_size=cfg["intermediate"], tie_word_embeddings=cfg["tie"])
+        config = llama_config(
+            len(tok),
+            cfg["hidden"],
+            cfg["layers"],
+            intermediate_size=cfg["intermediate"],
+            tie_word_embeddings=cfg["tie"],
+        )
         config.pad_token_id, config.eos_token_id = tok.pad_token_id, tok.eos_token_id
         config.bos_token_id = None  # Qwen2.5 has none
         torch.manual_seed(0)
@@ -184,8 +241,9 @@ def prompt_ids_both_ways(model_dir, prompts):
     ours = encode_prompts(tok, [{"prompt": p} for p in prompts], 10**6)
     if tok.chat_template:
         convs = [[{"role": "user", "content": p}] for p in prompts]
-        trl = tok.apply_chat_template(conversation=convs, add_generation_prompt=True, tokenize=True,
-                                      return_dict=True)["input_ids"]
+        trl = tok.apply_chat_template(
+            conversation=convs, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
     else:
         trl = tok(text=prompts)["input_ids"]
     return [list(i) for i in ours], [list(i) for i in trl]
@@ -249,16 +307,22 @@ class Profile:
             self.mem_end(name)
 
     def step_end(self):
-        self.steps.append({"t": time.time(), "cpu": time.process_time(), "phases": self.cur,
-                           "mem": self.cur_mem})
+        self.steps.append(
+            {"t": time.time(), "cpu": time.process_time(), "phases": self.cur, "mem": self.cur_mem}
+        )
         self.cur, self.cur_mem = {}, {}
         self.write()
 
     def write(self, **extra):
         self.extra.update(extra)
         self.save_hwm()
-        out = {"side": self.side, "t_start": self.t0, "steps": self.steps,
-               "peak_bytes": self.run_peak, **self.extra}
+        out = {
+            "side": self.side,
+            "t_start": self.t0,
+            "steps": self.steps,
+            "peak_bytes": self.run_peak,
+            **self.extra,
+        }
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(out, f)
@@ -272,18 +336,23 @@ def wrap(obj, attr, make):
 
 def ours_worker(spec, result):
     """grpo.main with timers around generation, log-probs, backward and the optimizer step."""
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(spec["port"]),
+    )
     sys.path[:0] = [ROOT, BENCH]
     prof = Profile(result, "ours")
     import torch
+
     prof.write(threads=torch.get_num_threads())
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     import checks
-    import generation
     import grpo
-    import logprobs
     import memory
 
     def timer(name, cond=None):
@@ -293,14 +362,16 @@ def ours_worker(spec, result):
                     return fn(*a, **k)
                 with prof.timed(name):
                     return fn(*a, **k)
+
             return inner
+
         return make
 
-    # grpo.py imports these at call time (from generation/logprobs import ...), or calls them as
-    # module globals (batch_logps), so replacing the module attributes reaches every call.
-    wrap(generation, "generate_hf", timer("generation"))
+    # grpo.py imports these names at its top (from generation / logprobs import ...) and calls
+    # them as its module globals, so replacing grpo's attributes reaches every call.
+    wrap(grpo, "generate_hf", timer("generation"))
     wrap(grpo, "batch_logps", timer("logprobs"))
-    wrap(logprobs, "model_logps", timer("update_forward", torch.is_grad_enabled))
+    wrap(grpo, "model_logps", timer("update_forward", torch.is_grad_enabled))
     wrap(DeepSpeedEngine, "backward", timer("update_backward"))
     step = DeepSpeedEngine.step
 
@@ -309,15 +380,18 @@ def ours_worker(spec, result):
             out = step(self, *a, **k)
         prof.step_end()
         return out
+
     DeepSpeedEngine.step = engine_step
     reset = memory.MemoryLedger.reset_peak
 
     def reset_peak(self):
         prof.save_hwm()  # the ledger is about to reset VmHWM: keep the run's peak
         reset(self)
+
     memory.MemoryLedger.reset_peak = reset_peak
     if spec.get("skip_one_rank_allreduce"):
         import deepspeed
+
         initialize = deepspeed.initialize
 
         def initialize_without_allreduce(*a, **k):  # the grpo.py change README "vs TRL" proposes
@@ -325,6 +399,7 @@ def ours_worker(spec, result):
             if out[0].dp_world_size == 1 and out[0].zero_optimization_stage() == 0:
                 out[0].enable_backward_allreduce = False
             return out
+
         deepspeed.initialize = initialize_without_allreduce
     code = checks.entry_code(grpo.main, spec["ours_argv"])
     rows = []
@@ -349,6 +424,7 @@ def hide_vllm():
 
     def no_vllm_spec(name, package=None):
         return None if name.split(".")[0] == "vllm" else find_spec(name, package)
+
     importlib.util.find_spec = no_vllm_spec  # what TRL's and transformers' is_vllm_available ask
 
     class Block(importlib.abc.MetaPathFinder):
@@ -356,6 +432,7 @@ def hide_vllm():
             if name.split(".")[0] == "vllm":
                 raise ModuleNotFoundError(f"vs_trl: {name} hidden from TRL", name=name)
             return None
+
     sys.meta_path.insert(0, Block())
 
 
@@ -365,11 +442,13 @@ def trl_worker(spec, result):
     prof = Profile(result, "trl")
     hide_vllm()
     import torch
+
     prof.write(threads=torch.get_num_threads())
     import warnings
+
     warnings.filterwarnings("ignore", message=".*TRL currently supports vLLM.*")
-    import torch
     import pyarrow as pa
+    import torch
     from datasets import Dataset
     from datasets.table import InMemoryTable
     from transformers import TrainerCallback
@@ -379,22 +458,51 @@ def trl_worker(spec, result):
     N, G, C, m = cfg["prompts"], cfg["generations"], cfg["completion"], cfg["micro"]
     accum = N * G // m
     conversational = spec["conversational"]
-    rows = [{"prompt": [{"role": "user", "content": p}] if conversational else p, "answer": "0"}
-            for p in spec["prompts"]]
+    rows = [
+        {"prompt": [{"role": "user", "content": p}] if conversational else p, "answer": "0"}
+        for p in spec["prompts"]
+    ]
     args = GRPOConfig(
-        output_dir=spec["run_dir"], report_to="none", save_strategy="no", eval_strategy="no",
-        logging_steps=1, disable_tqdm=True, seed=spec["seed"],
+        output_dir=spec["run_dir"],
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=spec["seed"],
         use_cpu=not torch.cuda.is_available(),
-        bf16=False, fp16=False, model_init_kwargs={"dtype": torch.float32},
-        gradient_checkpointing=False, max_steps=spec["steps"],
-        per_device_train_batch_size=m, gradient_accumulation_steps=accum,
-        steps_per_generation=accum, num_generations=G, max_completion_length=C,
-        temperature=1.0, top_p=1.0, top_k=0, generation_kwargs={"min_new_tokens": C},
-        loss_type="dapo", scale_rewards="group", beta=0.0, num_iterations=1, epsilon=0.2,
-        epsilon_high=0.2, learning_rate=spec["lr"], weight_decay=0.0,
-        lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", adam_beta1=0.9,
-        adam_beta2=0.99, adam_epsilon=1e-8, max_grad_norm=1.0, dataloader_num_workers=0,
-        log_completions=False)
+        bf16=False,
+        fp16=False,
+        model_init_kwargs={"dtype": torch.float32},
+        gradient_checkpointing=False,
+        max_steps=spec["steps"],
+        per_device_train_batch_size=m,
+        gradient_accumulation_steps=accum,
+        steps_per_generation=accum,
+        num_generations=G,
+        max_completion_length=C,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        generation_kwargs={"min_new_tokens": C},
+        loss_type="dapo",
+        scale_rewards="group",
+        beta=0.0,
+        num_iterations=1,
+        epsilon=0.2,
+        epsilon_high=0.2,
+        learning_rate=spec["lr"],
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        dataloader_num_workers=0,
+        log_completions=False,
+    )
 
     # A fixed fingerprint: datasets' own (a dill hash of the Arrow table) fails here on pyarrow's
     # MonthDayNano type under the project's dill 0.4.1; the fingerprint only names cache files.
@@ -424,20 +532,27 @@ def trl_worker(spec, result):
             prof.mem_end("optimizer_step")
             prof.step_end()
 
-    trainer = Timed(model=spec["model"], reward_funcs=[crc_reward], args=args,
-                    train_dataset=dataset, callbacks=[StepEnd()])
+    trainer = Timed(
+        model=spec["model"],
+        reward_funcs=[crc_reward],
+        args=args,
+        train_dataset=dataset,
+        callbacks=[StepEnd()],
+    )
     model = trainer.model
     generate = model.generate
 
     def timed_generate(*a, **k):
         with prof.timed("generation"):
             return generate(*a, **k)
+
     model.generate = timed_generate  # unwrap_model_for_generation hands back this same object
     backward = trainer.accelerator.backward
 
     def timed_backward(*a, **k):
         with prof.timed("update_backward"), prof.mem("update"):
             return backward(*a, **k)
+
     trainer.accelerator.backward = timed_backward
     trainer.train()
     log = [r for r in trainer.state.log_history if "step_time" in r or "loss" in r]
@@ -448,10 +563,26 @@ def trl_worker(spec, result):
 def ensure_trl():
     if os.path.isdir(os.path.join(TRL_DIR, "trl")):
         return
-    print(f"installing trl=={TRL_VERSION} and {', '.join(TRL_DEPS)} into "
-          f"{os.path.relpath(TRL_DIR, ROOT)} (--no-deps)", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", TRL_DIR,
-                    f"trl=={TRL_VERSION}", *TRL_DEPS], check=True)
+    print(
+        f"installing trl=={TRL_VERSION} and {', '.join(TRL_DEPS)} into "
+        f"{os.path.relpath(TRL_DIR, ROOT)} (--no-deps)",
+        flush=True,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            TRL_DIR,
+            f"trl=={TRL_VERSION}",
+            *TRL_DEPS,
+        ],
+        check=True,
+    )
 
 
 def free_port():
@@ -462,18 +593,74 @@ def free_port():
 
 def ours_argv(a, cfg, model_dir, data, ds_json, run_dir):
     N, G = cfg["prompts"], cfg["generations"]
-    return ["--model", model_dir, "--data", data, "--reward_funcs", "vs_trl:crc_reward",
-            "--reward_weights", "1.0", "--ds_config", ds_json, "--run_dir", run_dir,
-            "--overwrite", "True", "--seed", str(a.seed), "--prompts_per_rank", str(N),
-            "--num_generations", str(G), "--max_prompt_length", "512",
-            "--max_completion_length", str(cfg["completion"]), "--temperature", "1.0",
-            "--top_p", "1.0", "--generation_batch_size", str(max(256, N * G)),
-            "--loss_type", "bnpo", "--beta", "0", "--epsilon_low", "0.2", "--epsilon_high", "0.2",
-            "--scale_rewards", "True", "--num_iterations", "1", "--learning_rate", str(a.lr),
-            "--weight_decay", "0", "--warmup_steps", "0", "--max_grad_norm", "1.0",
-            "--per_device_train_batch_size", str(cfg["micro"]), "--gradient_checkpointing", "False",
-            "--dtype", "fp32", "--max_steps", str(cfg["steps"]), "--eval_steps", "0",
-            "--num_eval_prompts", "0", "--save_steps", "0", "--save_model", "False"]
+    return [
+        "--model",
+        model_dir,
+        "--data",
+        data,
+        "--reward_funcs",
+        "vs_trl:crc_reward",
+        "--reward_weights",
+        "1.0",
+        "--ds_config",
+        ds_json,
+        "--run_dir",
+        run_dir,
+        "--overwrite",
+        "True",
+        "--seed",
+        str(a.seed),
+        "--prompts_per_rank",
+        str(N),
+        "--num_generations",
+        str(G),
+        "--max_prompt_length",
+        "512",
+        "--max_completion_length",
+        str(cfg["completion"]),
+        "--temperature",
+        "1.0",
+        "--top_p",
+        "1.0",
+        "--generation_batch_size",
+        str(max(256, N * G)),
+        "--loss_type",
+        "bnpo",
+        "--beta",
+        "0",
+        "--epsilon_low",
+        "0.2",
+        "--epsilon_high",
+        "0.2",
+        "--scale_rewards",
+        "True",
+        "--num_iterations",
+        "1",
+        "--learning_rate",
+        str(a.lr),
+        "--weight_decay",
+        "0",
+        "--warmup_steps",
+        "0",
+        "--max_grad_norm",
+        "1.0",
+        "--per_device_train_batch_size",
+        str(cfg["micro"]),
+        "--gradient_checkpointing",
+        "False",
+        "--dtype",
+        "fp32",
+        "--max_steps",
+        str(cfg["steps"]),
+        "--eval_steps",
+        "0",
+        "--num_eval_prompts",
+        "0",
+        "--save_steps",
+        "0",
+        "--save_model",
+        "False",
+    ]
 
 
 def write_ds_json(stage, path):
@@ -489,12 +676,21 @@ def write_ds_json(stage, path):
 def run_one(side, spec, result, log_path, env, max_step_s, startup_s):
     """One worker process; killed (its own process group) when a step takes more than
     max_step_s, or when start-up plus the first step take more than startup_s + max_step_s."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--spec", spec,
-           "--result", result]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        side,
+        "--spec",
+        spec,
+        "--result",
+        result,
+    ]
     t0 = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         killed = None
         while proc.poll() is None:
             time.sleep(1)
@@ -510,16 +706,22 @@ def run_one(side, spec, result, log_path, env, max_step_s, startup_s):
                 proc.wait()
     with open(result) as f:
         out = json.load(f)
-    out.update(cmd=cmd, wall_s=time.time() - t0, returncode=proc.returncode, killed=killed,
-               log=out.get("log", []), log_file=log_path)
+    out.update(
+        cmd=cmd,
+        wall_s=time.time() - t0,
+        returncode=proc.returncode,
+        killed=killed,
+        log=out.get("log", []),
+        log_file=log_path,
+    )
     return out
 
 
 def measured(run, warmup):
     """Wall and CPU seconds of each step after the first `warmup` (intervals between step ends)."""
     s = run["steps"]
-    wall = [b["t"] - a["t"] for a, b in zip(s, s[1:])][warmup - 1:]
-    cpu = [b["cpu"] - a["cpu"] for a, b in zip(s, s[1:])][warmup - 1:]
+    wall = [b["t"] - a["t"] for a, b in zip(s, s[1:])][warmup - 1 :]
+    cpu = [b["cpu"] - a["cpu"] for a, b in zip(s, s[1:])][warmup - 1 :]
     phases = [x["phases"] for x in s[warmup:]]
     mem = [x["mem"] for x in s[warmup:]]
     return wall, cpu, phases, mem
@@ -535,17 +737,24 @@ def summarise(runs, side, warmup):
         phases += p
         mem += m
         if side == "ours":  # the ledger's per-phase peaks, from metrics.jsonl
-            mem += [{k[4:]: v * GB for k, v in row.items() if k[4:] in MEM_PHASES}
-                    for row in r["log"][warmup:]]
+            mem += [
+                {k[4:]: v * GB for k, v in row.items() if k[4:] in MEM_PHASES}
+                for row in r["log"][warmup:]
+            ]
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
-    return {"runs": len(rs), "steps": len(wall), "s_per_step": med(wall),
-            "s_per_step_runs": [med(measured(r, warmup)[0]) for r in rs],
-            "cpu_s_per_step": med(cpu),
-            "peak_gb": max((r["peak_bytes"] for r in rs), default=float("nan")) / GB,
-            "peak_gb_runs": [r["peak_bytes"] / GB for r in rs],
-            "phase_s": {k: med([p.get(k, 0.0) for p in phases]) for k in PHASES},
-            "phase_peak_gb": {k: max((m[k] for m in mem if k in m), default=0) / GB
-                              for k in MEM_PHASES}}
+    return {
+        "runs": len(rs),
+        "steps": len(wall),
+        "s_per_step": med(wall),
+        "s_per_step_runs": [med(measured(r, warmup)[0]) for r in rs],
+        "cpu_s_per_step": med(cpu),
+        "peak_gb": max((r["peak_bytes"] for r in rs), default=float("nan")) / GB,
+        "peak_gb_runs": [r["peak_bytes"] / GB for r in rs],
+        "phase_s": {k: med([p.get(k, 0.0) for p in phases]) for k in PHASES},
+        "phase_peak_gb": {
+            k: max((m[k] for m in mem if k in m), default=0) / GB for k in MEM_PHASES
+        },
+    }
 
 
 def completion_lengths(run):
@@ -555,8 +764,9 @@ def completion_lengths(run):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="tiny", choices=list(CONFIGS))
     ap.add_argument("--sides", default="ours,trl", help="ours,trl (alternating) or one of them")
     ap.add_argument("--rounds", type=int, help="alternating rounds (default: the config's)")
@@ -566,14 +776,21 @@ def main():
     ap.add_argument("--micro", type=int, help="completions per micro-batch, both sides")
     ap.add_argument("--prompt_chars", type=int, default=16, help="digits per prompt")
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ours' ZeRO stage")
-    ap.add_argument("--skip_one_rank_allreduce", action="store_true",
-                    help="ours: no gradient all-reduce at ZeRO-0 in one process (measures the "
-                         "grpo.py change README 'vs TRL' proposes; grpo.py as it is without it)")
+    ap.add_argument(
+        "--skip_one_rank_allreduce",
+        action="store_true",
+        help="ours: no gradient all-reduce at ZeRO-0 in one process (measures the "
+        "grpo.py change README 'vs TRL' proposes; grpo.py as it is without it)",
+    )
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS, both")
-    ap.add_argument("--max_step_s", type=float, default=180.0,
-                    help="stop a run whose step takes longer, and run no further rounds")
+    ap.add_argument(
+        "--max_step_s",
+        type=float,
+        default=180.0,
+        help="stop a run whose step takes longer, and run no further rounds",
+    )
     ap.add_argument("--startup_s", type=float, default=300.0, help="allowed before the first step")
     ap.add_argument("--out", default=OUT)
     ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
@@ -588,8 +805,12 @@ def main():
     if a.warmup < 1:
         ap.error("--warmup must be >= 1 (the first step has no previous step end to time from)")
     cfg = dict(CONFIGS[a.config])
-    for key, val in (("rounds", a.rounds), ("steps", a.steps), ("prompts", a.prompts),
-                     ("micro", a.micro)):
+    for key, val in (
+        ("rounds", a.rounds),
+        ("steps", a.steps),
+        ("prompts", a.prompts),
+        ("micro", a.micro),
+    ):
         if val is not None:
             cfg[key] = val
     if cfg["steps"] <= a.warmup:
@@ -614,56 +835,88 @@ def main():
         f.writelines(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts)
     ds_json = write_ds_json(a.zero, os.path.join(work, f"zero{a.zero}.json"))
     from transformers import AutoTokenizer
+
     conversational = bool(AutoTokenizer.from_pretrained(model_dir).chat_template)
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "OMP_WAIT_POLICY": "PASSIVE",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(a.threads),
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": "ignore",
+    }
     command = "python bench/vs_trl.py " + " ".join(sys.argv[1:])
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
-    print(f"{command}\n{a.config}: {params / 1e6:.2f}M parameters, V={vocab}, "
-          f"{cfg['prompts']} prompts x G={cfg['generations']}, P={len(ours_ids[0])} prompt tokens, "
-          f"C={cfg['completion']}, micro-batch {cfg['micro']}, ours ZeRO-{a.zero}, "
-          f"{cfg['rounds']} rounds x {cfg['steps']} steps", flush=True)
+    print(
+        f"{command}\n{a.config}: {params / 1e6:.2f}M parameters, V={vocab}, "
+        f"{cfg['prompts']} prompts x G={cfg['generations']}, P={len(ours_ids[0])} prompt tokens, "
+        f"C={cfg['completion']}, micro-batch {cfg['micro']}, ours ZeRO-{a.zero}, "
+        f"{cfg['rounds']} rounds x {cfg['steps']} steps",
+        flush=True,
+    )
 
     runs, stop = [], None
     for rnd in range(cfg["rounds"]):
         for side in sides:
             tag = f"{side}-r{rnd}"
             run_dir = os.path.join(work, "runs", tag)
-            spec = {"cfg": cfg, "model": model_dir, "prompts": prompts,
-                    "conversational": conversational,
-                    "run_dir": run_dir, "steps": cfg["steps"], "lr": a.lr, "seed": a.seed,
-                    "port": free_port(), "skip_one_rank_allreduce": a.skip_one_rank_allreduce,
-                    "ours_argv": ours_argv(a, cfg, model_dir, data, ds_json, run_dir)}
+            spec = {
+                "cfg": cfg,
+                "model": model_dir,
+                "prompts": prompts,
+                "conversational": conversational,
+                "run_dir": run_dir,
+                "steps": cfg["steps"],
+                "lr": a.lr,
+                "seed": a.seed,
+                "port": free_port(),
+                "skip_one_rank_allreduce": a.skip_one_rank_allreduce,
+                "ours_argv": ours_argv(a, cfg, model_dir, data, ds_json, run_dir),
+            }
             spec_path = os.path.join(work, f"{tag}.spec.json")
             with open(spec_path, "w") as f:
                 json.dump(spec, f)
             for attempt in range(2):  # once more after a failure that is not a timeout
                 log_file = os.path.join(work, f"{tag}.log" if attempt == 0 else f"{tag}.retry.log")
-                r = run_one(side, spec_path, os.path.join(work, f"{tag}.result.json"), log_file,
-                            env, a.max_step_s, a.startup_s)
+                r = run_one(
+                    side,
+                    spec_path,
+                    os.path.join(work, f"{tag}.result.json"),
+                    log_file,
+                    env,
+                    a.max_step_s,
+                    a.startup_s,
+                )
                 if r["returncode"] == 0 or r["killed"]:
                     break
                 # Why: the venv is shared with other sessions, whose installs have broken an
                 # import for a moment (transformers found torchaudio half-removed).
-                print(f"round {rnd} {side}: exit {r['returncode']} (see {log_file}); once more",
-                      flush=True)
+                print(
+                    f"round {rnd} {side}: exit {r['returncode']} (see {log_file}); once more",
+                    flush=True,
+                )
             r["round"] = rnd
             runs.append(r)
             w, c, _, _ = measured(r, a.warmup)
             lens = completion_lengths(r)
-            print(f"round {rnd} {side:4}: {len(r['steps'])} steps, "
-                  f"{statistics.median(w) if w else float('nan'):.2f} s/step "
-                  f"({statistics.median(c) if c else float('nan'):.2f} CPU s), peak "
-                  f"{r['peak_bytes'] / GB:.2f} GB, completion lengths {sorted(set(lens))}"
-                  + (f", exit {r['returncode']}" if r["returncode"] else "")
-                  + (f", stopped: {r['killed']}" if r["killed"] else ""), flush=True)
+            print(
+                f"round {rnd} {side:4}: {len(r['steps'])} steps, "
+                f"{statistics.median(w) if w else float('nan'):.2f} s/step "
+                f"({statistics.median(c) if c else float('nan'):.2f} CPU s), peak "
+                f"{r['peak_bytes'] / GB:.2f} GB, completion lengths {sorted(set(lens))}"
+                + (f", exit {r['returncode']}" if r["returncode"] else "")
+                + (f", stopped: {r['killed']}" if r["killed"] else ""),
+                flush=True,
+            )
             if r["returncode"] and not r["killed"]:
                 with open(r["log_file"]) as f:
                     raise SystemExit(f"{side} failed:\n{f.read()[-4000:]}")
             if any(length != cfg["completion"] for length in lens):
-                raise SystemExit(f"{side}: completions not at full length "
-                                 f"{cfg['completion']}: {lens}")
+                raise SystemExit(
+                    f"{side}: completions not at full length {cfg['completion']}: {lens}"
+                )
             if r["killed"]:
                 stop = r["killed"]
         if stop:
@@ -674,26 +927,44 @@ def main():
     ratio = {}
     if len(sides) == 2:
         o, t = summary["ours"], summary["trl"]
-        ratio = {"s_per_step": o["s_per_step"] / t["s_per_step"],
-                 "cpu_s_per_step": o["cpu_s_per_step"] / t["cpu_s_per_step"],
-                 "peak_memory": o["peak_gb"] / t["peak_gb"]}
-    out = {"config": a.config, "cfg": cfg, "parameters": params, "command": command,
-           "skip_one_rank_allreduce": a.skip_one_rank_allreduce,
-           "trl_version": TRL_VERSION, "zero_stage": a.zero, "prompt_tokens": len(ours_ids[0]),
-           "machine": f"{os.cpu_count()} CPUs" if not _cuda() else _cuda(), "warmup": a.warmup,
-           "stopped": stop, "summary": summary, "ratio": ratio, "runs": runs}
+        ratio = {
+            "s_per_step": o["s_per_step"] / t["s_per_step"],
+            "cpu_s_per_step": o["cpu_s_per_step"] / t["cpu_s_per_step"],
+            "peak_memory": o["peak_gb"] / t["peak_gb"],
+        }
+    out = {
+        "config": a.config,
+        "cfg": cfg,
+        "parameters": params,
+        "command": command,
+        "skip_one_rank_allreduce": a.skip_one_rank_allreduce,
+        "trl_version": TRL_VERSION,
+        "zero_stage": a.zero,
+        "prompt_tokens": len(ours_ids[0]),
+        "machine": f"{os.cpu_count()} CPUs" if not _cuda() else _cuda(),
+        "warmup": a.warmup,
+        "stopped": stop,
+        "summary": summary,
+        "ratio": ratio,
+        "runs": runs,
+    }
     path = os.path.join(a.out, f"{a.config}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"\n{command}  ->  {os.path.relpath(path, ROOT)}")
     for s in sides:
         x = summary[s]
-        print(f"{s:4}: {x['s_per_step']:.2f} s/step (runs {fmt(x['s_per_step_runs'])}), "
-              f"{x['cpu_s_per_step']:.2f} CPU s/step, peak {x['peak_gb']:.2f} GB "
-              f"(runs {fmt(x['peak_gb_runs'])}), {x['steps']} steps measured")
-        print("      phases s/step: " + ", ".join(f"{k} {v:.3f}" for k, v in x["phase_s"].items())
-              + " | phase peak GB: "
-              + ", ".join(f"{k} {v:.2f}" for k, v in x["phase_peak_gb"].items()))
+        print(
+            f"{s:4}: {x['s_per_step']:.2f} s/step (runs {fmt(x['s_per_step_runs'])}), "
+            f"{x['cpu_s_per_step']:.2f} CPU s/step, peak {x['peak_gb']:.2f} GB "
+            f"(runs {fmt(x['peak_gb_runs'])}), {x['steps']} steps measured"
+        )
+        print(
+            "      phases s/step: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in x["phase_s"].items())
+            + " | phase peak GB: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in x["phase_peak_gb"].items())
+        )
     if ratio:
         print("ours/TRL: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
     for s in sides:
@@ -703,8 +974,10 @@ def main():
     if r:
         with open(r["cmd"][r["cmd"].index("--spec") + 1]) as f:
             argv = json.load(f)["ours_argv"]
-        print("ours, the same run without timers: RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 "
-              "MASTER_PORT=29500 PYTHONPATH=bench python grpo.py " + " ".join(argv))
+        print(
+            "ours, the same run without timers: RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 "
+            "MASTER_PORT=29500 PYTHONPATH=bench python grpo.py " + " ".join(argv)
+        )
 
 
 def fmt(xs):
@@ -713,6 +986,7 @@ def fmt(xs):
 
 def _cuda():
     import torch
+
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
 
 

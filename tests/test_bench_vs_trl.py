@@ -2,6 +2,7 @@
 shape, the model and data it builds, its JSON, and that it installs nothing (~30-50 s). TRL's side
 runs only where bench/.trl was installed by hand (python bench/vs_trl.py does that); CI never
 installs it. The Qwen2.5 prompt check needs ../shared/assets."""
+
 import json
 import os
 import subprocess
@@ -16,8 +17,22 @@ import vs_trl  # noqa: E402
 
 
 def run_bench(out, sides):
-    cmd = [sys.executable, os.path.join("bench", "vs_trl.py"), "--config", "tiny", "--sides", sides,
-           "--rounds", "1", "--steps", "2", "--prompts", "2", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        os.path.join("bench", "vs_trl.py"),
+        "--config",
+        "tiny",
+        "--sides",
+        sides,
+        "--rounds",
+        "1",
+        "--steps",
+        "2",
+        "--prompts",
+        "2",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "tiny.json") as f:
@@ -58,17 +73,20 @@ def test_model_forces_full_length_and_crc_reward(tmp_path):
     assert r[0] == r[1] and 0 <= r[0] < 1
 
 
-@pytest.mark.skipif(not os.path.isdir(vs_trl.QWEN_TOKENIZER),
-                    reason="needs ../shared/assets/qwen2.5-tokenizer (shared/ beside the checkout)")
+@pytest.mark.skipif(
+    not os.path.isdir(vs_trl.QWEN_TOKENIZER),
+    reason="needs ../shared/assets/qwen2.5-tokenizer (shared/ beside the checkout)",
+)
 def test_qwen_prompt_ids_equal_both_ways(tmp_path):
     prompts = vs_trl.make_prompts(3, 16)
     ours, trl = vs_trl.prompt_ids_both_ways(vs_trl.QWEN_TOKENIZER, prompts)
     assert ours == trl and len({len(i) for i in ours}) == 1  # one token per digit: equal lengths
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(vs_trl.TRL_DIR, "trl")),
-                    reason="bench/.trl not installed (python bench/vs_trl.py installs it; "
-                           "CI does not)")
+@pytest.mark.skipif(
+    not os.path.isdir(os.path.join(vs_trl.TRL_DIR, "trl")),
+    reason="bench/.trl not installed (python bench/vs_trl.py installs it; CI does not)",
+)
 def test_both_sides_tiny(tmp_path):
     res, _ = run_bench(tmp_path, "ours,trl")
     assert [r["side"] for r in res["runs"]] == ["ours", "trl"]
