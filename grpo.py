@@ -479,7 +479,10 @@ def main(argv=None):
     dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
 
     # 2. models ------------------------------------------------------------------------------
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    from generation import attn_implementation_for
+    # eager for Gemma-2: sdpa drops its attention soft-cap, which vLLM applies
+    attn = dict(dtype=dtype, attn_implementation=attn_implementation_for(model_path))
+    model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if args.lora_r:  # only the adapters train; the reference needs no copy (adapters off)
@@ -494,7 +497,7 @@ def main(argv=None):
                                       config=ds_config, lr_scheduler=warmup)
     ref = None
     if args.beta > 0 and not args.lora_r:
-        ref = frozen_engine(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype), ds_config,
+        ref = frozen_engine(AutoModelForCausalLM.from_pretrained(model_path, **attn), ds_config,
                             offload=args.ref_offload)
     vllm = None
     if args.use_vllm:

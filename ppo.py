@@ -521,7 +521,9 @@ def main(argv=None):
     dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
 
     # 2. models ------------------------------------------------------------------------------
-    attn = dict(dtype=dtype, attn_implementation=args.attn_implementation)
+    from generation import attn_implementation_for  # sdpa drops Gemma-2's attention cap: eager
+    attn = dict(dtype=dtype, attn_implementation=attn_implementation_for(model_path,
+                                                                         args.attn_implementation))
     model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
     critic = build_critic(args.reward_model or model_path, bool(args.reward_model), **attn)
     if args.gradient_checkpointing:
