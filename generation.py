@@ -20,6 +20,7 @@ Public API
                   top_k=0, greedy=False) -> Generations (with the sampler's logprobs)
         .sync_weights(model_or_engine, max_numel=2**26)  stream training weights into vLLM in place
         .sleep() / .wake_up()                            free/restore the KV cache (GPU), else no-op
+    attn_implementation_for(model_path, requested)   "eager" under an attention soft-cap
     Generations: completion_ids (N*G, C) long, pad after EOS; completion_mask (N*G, C) long, 1 up to
         and including EOS; logprobs (N*G, C) float or None. Row i*G + g is prompt i's g-th sample.
 
@@ -192,6 +193,22 @@ def generate_hf(
     return Generations(completion_ids, completion_mask)
 
 
+def attn_implementation_for(model_path, requested="sdpa"):
+    """The transformers attention to load `model_path` with so it computes what vLLM samples from.
+
+    transformers 5.19's sdpa attention silently ignores `attn_logit_softcapping` (Gemma-2 caps its
+    attention scores at 50; vLLM applies the cap): log-probs differ by ~1e-3 on a tiny random
+    Gemma-2. Such a model gets "eager", which applies it; anything else keeps `requested`.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if requested == "sdpa" and getattr(config, "attn_logit_softcapping", None):
+        return "eager"
+    return requested
+
+
 # ---------------------------------------------------------------- vLLM
 def _vllm_reload_weights(llm, weights):
     # vllm 0.32.0: with distributed_executor_backend="external_launcher" the executor runs the
@@ -199,7 +216,21 @@ def _vllm_reload_weights(llm, weights):
     # an iterator of tensors can be handed over without serialising. reload_weights copies each
     # checkpoint-format (name, tensor) into the live parameters; `model.load_weights` does not
     # work on the CPU backend.
-    llm.llm_engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=weights)
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    worker.reload_weights(weights_iterator=weights)
+    # vllm 0.32.0 CPU: process_weights_after_loading packs each linear's weight into a private
+    # copy for its GEMM kernel, and reload_weights redoes that only for the layers it loaded. A
+    # tied lm_head (Qwen2, Gemma) shares the embedding's weight, loads nothing of its own, and
+    # kept sampling from the old packed copy: repack every layer whose weight another shares.
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        owners = {}
+        for m in worker.model_runner.model.modules():
+            if m._parameters.get("weight") is not None and hasattr(m, "quant_method"):
+                owners.setdefault(id(m._parameters["weight"]), []).append(m)
+        for m in (m for group in owners.values() if len(group) > 1 for m in group):
+            m.quant_method.process_weights_after_loading(m)
 
 
 def _vllm_sleep_supported():

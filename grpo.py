@@ -90,7 +90,7 @@ from checks import (
     parse_args_quietly,
     read_ds_json,
 )
-from generation import VLLMGenerator, generate_hf, unwrap_for_generation
+from generation import VLLMGenerator, attn_implementation_for, generate_hf, unwrap_for_generation
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps
 from memory import PRESETS, MemoryLedger, model_shape, print_estimate
 from runlog import RunLog
@@ -654,7 +654,9 @@ def main(argv=None):
     dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
 
     # 2. models ------------------------------------------------------------------------------
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    # eager for Gemma-2: sdpa drops its attention soft-cap, which vLLM applies
+    attn = dict(dtype=dtype, attn_implementation=attn_implementation_for(model_path))
+    model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if args.lora_r:  # only the adapters train; the reference needs no copy (adapters off)
@@ -689,7 +691,7 @@ def main(argv=None):
     ref = None
     if args.beta > 0 and not args.lora_r:
         ref = frozen_engine(
-            AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype),
+            AutoModelForCausalLM.from_pretrained(model_path, **attn),
             ds_config,
             offload=args.ref_offload,
         )

@@ -93,7 +93,7 @@ from checks import (
     load_tokenizer,
     parse_args_quietly,
 )
-from generation import generate_hf, unwrap_for_generation
+from generation import attn_implementation_for, generate_hf, unwrap_for_generation
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
@@ -740,7 +740,11 @@ def main(argv=None):
     dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
 
     # 2. models ------------------------------------------------------------------------------
-    attn = dict(dtype=dtype, attn_implementation=args.attn_implementation)
+    # eager for Gemma-2: sdpa drops its attention soft-cap, which vLLM applies
+    attn = dict(
+        dtype=dtype,
+        attn_implementation=attn_implementation_for(model_path, args.attn_implementation),
+    )
     model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
     critic = build_critic(args.reward_model or model_path, bool(args.reward_model), **attn)
     if args.gradient_checkpointing:

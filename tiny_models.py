@@ -10,6 +10,9 @@ Tests, benchmarks and the default `bash run.sh` task all build their models here
     python tiny_models.py --path runs/tiny-rm --reward_model          # reward model + tokenizer
     python tiny_models.py --path runs/x --hidden_size 256 --num_layers 4 --tie_word_embeddings
 
+`build_family(path, family)` builds the same tiny shape as a Llama, Qwen2, Qwen3, Mistral,
+Gemma-2 or Phi-3 model (FAMILIES), for the architecture matrix of tests/test_families.py.
+
 head_dim is fixed at 64 (hidden_size / num_heads) because vLLM's CPU attention
 rejects smaller heads; hidden_size must therefore be a multiple of 64.
 """
@@ -149,6 +152,110 @@ def build_tiny(
             {"seed": seed, "reward_model": reward_model, "num_parameters": model.num_parameters()},
             f,
         )
+    return path
+
+
+# ---- One tiny model per architecture family people fine-tune (tests/test_families.py) ----
+# Each family keeps what makes it differ on the paths a run takes: Qwen2's qkv bias and tied
+# embeddings, Qwen3's q/k norms, Mistral's and the Qwens' grouped KV heads, Gemma-2's scaled
+# embeddings, (1 + w) norms and final-logit soft-cap, Phi-3's fused qkv_proj / gate_up_proj.
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3")
+
+
+def family_config(family, vocab_size, hidden_size=128, num_layers=2, num_kv_heads=None):
+    """A config of `family` at a tiny shape (head_dim 64 for vLLM's CPU attention, 2 layers)."""
+    import transformers
+
+    heads = hidden_size // HEAD_DIM
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    gqa = num_kv_heads or max(1, heads // 2)  # grouped KV heads, as the real models have
+    if family == "llama":
+        return llama_config(vocab_size, hidden_size, num_layers)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, num_key_value_heads=gqa, tie_word_embeddings=True)
+    if family == "qwen3":
+        return transformers.Qwen3Config(
+            **common, num_key_value_heads=gqa, tie_word_embeddings=False
+        )
+    if family == "mistral":
+        return transformers.MistralConfig(
+            **common, num_key_value_heads=gqa, tie_word_embeddings=False
+        )
+    if family == "gemma2":
+        # At the default init (0.02) the logits are ~0.2 wide and Gemma-2's cap of 30 would never
+        # bend them: a wider init and a cap of 2 make the soft-cap change every log-prob.
+        return transformers.Gemma2Config(
+            **common,
+            num_key_value_heads=gqa,
+            tie_word_embeddings=True,
+            query_pre_attn_scalar=HEAD_DIM,
+            initializer_range=0.1,
+            final_logit_softcapping=2.0,
+        )
+    if family == "phi3":
+        common.pop("head_dim")  # Phi-3 derives it (hidden / heads)
+        return transformers.Phi3Config(
+            **common, num_key_value_heads=heads, tie_word_embeddings=False
+        )
+    raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+
+
+def build_qwen_tokenizer(path, chars=DEFAULT_CHARS):
+    """The char tokenizer's vocabulary (same ids) as a Qwen2Tokenizer: byte-level BPE without
+    merges, so each character is still one token; no BOS, as Qwen's tokenizers add none.
+
+    Why: for model_type "qwen2" transformers' AutoTokenizer ignores the saved tokenizer class and
+    rebuilds a Qwen2Tokenizer (byte-level pre-tokenizer) from the vocabulary, which silently drops
+    every space and newline of the plain char tokenizer. Written in the form it rebuilds, it loads
+    unchanged in transformers and vLLM.
+    """
+    from transformers import Qwen2Tokenizer
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for c in chars:  # " " -> "Ġ", "\n" -> "Ċ"; printable ASCII stays itself
+        ((piece, _),) = byte_level.pre_tokenize_str(c)
+        vocab[piece] = len(vocab)
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token="<unk>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        padding_side="left",
+    )
+    os.makedirs(path, exist_ok=True)
+    tok.save_pretrained(path)
+    return tok
+
+
+def build_family(path, family, seed=0, chars=DEFAULT_CHARS, dtype=torch.float32):
+    """Write the char tokenizer and a randomly initialised (seeded) tiny `family` causal LM to
+    `path` (hidden 128, 2 layers, 2 heads of 64); return `path`. Loads in transformers and vLLM,
+    and `bash run.sh grpo --model path` runs it on the built-in task (chars cover TASK_CHARS)."""
+    from transformers import AutoModelForCausalLM
+
+    qwen = family in ("qwen2", "qwen3")  # real Qwen models use Qwen2Tokenizer, as these do
+    tokenizer = build_qwen_tokenizer(path, chars) if qwen else build_tokenizer(path, chars)
+    config = family_config(family, len(tokenizer))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    with open(os.path.join(path, "tiny_models.json"), "w") as f:
+        json.dump({"seed": seed, "family": family, "num_parameters": model.num_parameters()}, f)
     return path
 
 
