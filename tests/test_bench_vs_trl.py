@@ -3,6 +3,7 @@ shape, the model and data it builds, its JSON, and that it installs nothing (~30
 runs only where bench/.trl was installed by hand (python bench/vs_trl.py does that); CI never
 installs it. The Qwen2.5 prompt check needs ../shared/assets."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,8 +13,11 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import vs_trl  # noqa: E402
+# Loaded from its file, not by putting bench/ on sys.path: bench/generation.py would then shadow
+# the project's generation.py for every test module collected after this one.
+_spec = importlib.util.spec_from_file_location("vs_trl", os.path.join(ROOT, "bench", "vs_trl.py"))
+vs_trl = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vs_trl)
 
 
 def run_bench(out, sides):
