@@ -31,7 +31,10 @@ import re
 # ---- Finding the answer in a completion ----------------------------------------------------------
 # A number: an optional minus that is not a subtraction (no word character or ')' before it),
 # digits with optional thousands commas, optional decimals, an optional "/denominator".
-_NUMBER = re.compile(r"(?:(?<![\w)])[-−])?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?")
+_NUMBER = re.compile(
+    r"(?:(?<![\w)])[-\u2212])?"  # a sign (ASCII or Unicode minus), not a subtraction
+    r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?"
+)
 
 
 def extract_boxed(text):
