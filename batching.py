@@ -1,9 +1,10 @@
-"""Batch plumbing for the RL loops: prompts to ids, rollouts to a padded batch, micro-batches
-(padded or packed into one row), collectives.
+"""Batch plumbing for the RL loops: prompts to ids (through the chat template), the ids that end a
+completion, rollouts to a padded batch, micro-batches (padded or packed into one row), collectives.
 
-    from batching import all_sum, encode_prompts, init_distributed, make_batch, plan_micro_batches
+    from batching import all_sum, encode_prompts, init_distributed, make_batch, ...
     rank, world, device = init_distributed()     # first: NCCL on GPUs, gloo on CPU
     prompt_ids = encode_prompts(tokenizer, rows, max_prompt_length)  # lists of ids, no padding
+    stop_ids = stop_token_ids(tokenizer, model_path)  # eos ids + the template's end of turn
     batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)  # ids, masks (B, T)
     plan = plan_micro_batches(batch, 8)          # or by tokens: plan_micro_batches(batch, 8, 4096)
     for idx, mb, weight in micro_batches(batch, plan):  # weight 0: a repeat, ranks in step
@@ -22,6 +23,7 @@ current GPU under NCCL, the CPU under gloo), so the same loop runs on both. Impo
 (comm_device, all_max: the helpers generation.py shares).
 """
 
+import json
 import os
 
 import torch
@@ -31,21 +33,81 @@ from zero3_utils import all_max, comm_device
 
 
 # ---- Rollouts to a batch ------------------------------------------------------------------------
-def encode_prompts(tokenizer, rows, max_prompt_length):
-    """Token-id lists (no padding); the chat template is applied when the tokenizer has one."""
+def encode_prompts(tokenizer, rows, max_prompt_length, template_kwargs=None):
+    """Token-id lists (no padding), each cut to its last max_prompt_length tokens.
+
+    With a chat template: a string prompt is one user turn, a conversation (a list of {"role",
+    "content"} messages, a system turn included) is rendered as it is, both with
+    add_generation_prompt=True and template_kwargs (--chat_template_kwargs, such as
+    {"enable_thinking": False}) passed to apply_chat_template; the text is then tokenized without
+    adding special tokens (the template wrote them), as TRL does. Without a template a string is
+    tokenized as it is (the tokenizer adds its BOS) and a conversation is a ValueError."""
     if tokenizer.chat_template:
         texts = [
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": r["prompt"]}],
+                r["prompt"]
+                if isinstance(r["prompt"], list)
+                else [{"role": "user", "content": r["prompt"]}],
                 tokenize=False,
                 add_generation_prompt=True,
+                **(template_kwargs or {}),
             )
             for r in rows
         ]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     else:
+        if any(isinstance(r["prompt"], list) for r in rows):
+            raise ValueError("a conversational prompt needs a tokenizer with a chat template")
         ids = tokenizer([r["prompt"] for r in rows])["input_ids"]
     return [i[-max_prompt_length:] for i in ids]
+
+
+def template_kwargs(text):
+    """--chat_template_kwargs: a JSON object -> dict ("" -> {}); anything else is a ValueError."""
+    try:
+        kwargs = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"--chat_template_kwargs {text!r} is not JSON ({e.msg}); write a JSON object, "
+            """e.g. '{"enable_thinking": false}'"""
+        ) from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(
+            f"--chat_template_kwargs {text!r} is a JSON {type(kwargs).__name__}; write an object "
+            """of template arguments, e.g. '{"enable_thinking": false}'"""
+        )
+    return kwargs
+
+
+def stop_token_ids(tokenizer, model_path):
+    """The ids that end a completion, sorted: the tokenizer's eos, every id of the model's
+    generation_config.json eos_token_id (an int or a list: Qwen2.5-Instruct lists <|im_end|> and
+    <|endoftext|>; config.json's when there is none), and the chat template's end-of-turn token,
+    found by rendering one assistant turn (<|im_end|>, <|eot_id|>, <end_of_turn>): a model whose
+    configs name only its pretraining eos still stops where its turn ends. HF generation and vLLM
+    both stop at any of them; the stop token is part of the completion (trained on, like eos)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = getattr(AutoConfig.from_pretrained(model_path), "eos_token_id", None)
+    ids = {tokenizer.eos_token_id} | set([eos] if isinstance(eos, int) else eos or [])
+    marker = "lean-rl end-of-turn probe"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+            tokenize=False,
+        )
+    except Exception:  # no template, or one that refuses this turn (jinja raises its own types)
+        text = ""
+    if marker in text:
+        tail = tokenizer(text[text.rindex(marker) + len(marker) :], add_special_tokens=False)
+        special = set(tokenizer.all_special_ids) | {
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+        }
+        ids |= set([i for i in tail["input_ids"] if i in special][:1])
+    return sorted(i for i in ids if i is not None)
 
 
 def make_batch(prompt_ids, gens, pad_id):

@@ -26,8 +26,8 @@ A failure every rank sees alike (a config error) is printed by rank 0 only; a fa
 (a reward function raising on its own prompts, memory) is printed by that rank, prefixed with it,
 and torchrun stops the other ranks. A known failure is any exception with an `exit_code` attribute
 (RunError here, tasks.RewardError, checkpoint.ResumeError); anything else is a bug and keeps its
-traceback. Imports tasks.py and batching.py (check_inputs: the inputs both loops share), memory.py
-(is_out_of_memory) and zero3_utils.py (process_rank).
+traceback. Imports tasks.py, data.py and batching.py (check_inputs: the inputs both loops share),
+memory.py (is_out_of_memory) and zero3_utils.py (process_rank).
 """
 
 import contextlib
@@ -45,9 +45,10 @@ import types
 
 import torch
 
-from batching import encode_prompts
+from batching import encode_prompts, stop_token_ids, template_kwargs
+from data import load_data, row_name
 from memory import is_out_of_memory
-from tasks import load_data, score_completions, task_model
+from tasks import score_completions, task_model
 from zero3_utils import process_rank
 
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM = 2, 3, 4
@@ -256,12 +257,21 @@ def check_inputs(args, rank):
     supports), data (each JSONL line), training rows left, answers for the rewards that read them,
     the model (the built-in task's is built here by rank 0) and its weights, its tokenizer (eos and
     pad tokens), prompt lengths (one warning), the reward functions on real prompts (args.funcs).
-    Needs args.ds_config, data, num_eval_prompts, seed, run_dir, model, pad_token,
-    max_prompt_length, funcs, weights. Returns (train_rows, eval_rows, model_path, model config,
-    tokenizer)."""
+    Needs args.ds_config, data, data_split, prompt_field, answer_field, num_eval_prompts, seed,
+    run_dir, model, pad_token, chat_template_kwargs, max_prompt_length, funcs, weights; sets
+    args.template_kwargs (the parsed JSON) and args.stop_ids (batching.stop_token_ids). Returns
+    (train_rows, eval_rows, model_path, model config, tokenizer)."""
     read_ds_json(args.ds_config)
     try:
-        train_rows, eval_rows = load_data(args.data, args.num_eval_prompts, args.seed)
+        args.template_kwargs = template_kwargs(args.chat_template_kwargs)
+        train_rows, eval_rows = load_data(
+            args.data,
+            args.num_eval_prompts,
+            args.seed,
+            args.data_split,
+            args.prompt_field,
+            args.answer_field,
+        )
     except ValueError as e:
         raise RunError(str(e)) from None
     check_rows(train_rows, eval_rows, args.data or "the built-in task")
@@ -270,7 +280,8 @@ def check_inputs(args, rank):
     model_path = task_model(args.model, args.run_dir, rank, args.seed)
     config = check_model_path(model_path)
     tokenizer = load_tokenizer(model_path, args.pad_token)
-    lengths = [len(p) for p in encode_prompts(tokenizer, train_rows[:20000] + eval_rows, 10**9)]
+    args.stop_ids = stop_token_ids(tokenizer, model_path)
+    lengths = check_templates(tokenizer, train_rows[:20000] + eval_rows, args, model_path)
     warning = long_prompt_warning(lengths, args.max_prompt_length)
     if warning and rank == 0:
         print(warning, file=sys.stderr)
@@ -280,7 +291,8 @@ def check_inputs(args, rank):
         probe = train_rows[:2] + [r for r in rest if r.get("answer") is None][:1]
         hint = ""
         if any(r.get("answer") is None for r in probe):
-            hint = f'; {answerless_row(args.data)} has no "answer" field (the functions get None)'
+            where = answerless_row(args.data, train_rows + eval_rows)
+            hint = f'; {where} has no "answer" field (the functions get None)'
         probe_rewards(
             lambda rows, completions, g: score_completions(
                 args.funcs, args.weights, rows, completions, g
@@ -291,14 +303,41 @@ def check_inputs(args, rank):
     return train_rows, eval_rows, model_path, config, tokenizer
 
 
-def answerless_row(data):
-    """'--data PATH line N (prompt ...)': the first JSONL row whose "answer" is missing or null."""
-    with open(data) as f:
-        for n, line in enumerate(f, 1):
-            row = json.loads(line) if line.strip() else {}
-            if row and row.get("answer") is None:
-                return f"--data {data} line {n} (prompt {row['prompt'][:40]!r})"
-    return f"a row of --data {data}"
+def check_templates(tokenizer, rows, args, model_path):
+    """Every prompt through encode_prompts (chat template, --chat_template_kwargs); returns their
+    lengths in tokens. A conversation without a chat template, or a template that fails on a row,
+    is a RunError naming the row."""
+    try:
+        return [len(p) for p in encode_prompts(tokenizer, rows, 10**9, args.template_kwargs)]
+    except Exception:  # jinja's TemplateError, a TypeError from a kwarg: find the row, say which
+        for r in rows:
+            try:
+                encode_prompts(tokenizer, [r], 10**9, args.template_kwargs)
+            except Exception as e:  # the template's own error, as it words it
+                where = f"--data {args.data} {row_name(args.data, r.get('index', 0))}"
+                if not tokenizer.chat_template:
+                    raise RunError(
+                        f"{where}: its prompt is a conversation and the tokenizer of {model_path} "
+                        f"has no chat template; give string prompts, or a model whose tokenizer "
+                        f"has one"
+                    ) from None
+                raise RunError(
+                    f"{where}: the chat template of {model_path} fails on its prompt "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                    f"fix the row, or the --chat_template_kwargs {args.chat_template_kwargs!r}"
+                ) from None
+        raise
+
+
+def answerless_row(data, rows):
+    """'--data PATH line N (prompt ...)': the first row of the source whose "answer" is missing or
+    null."""
+    missing = [r for r in rows if r.get("answer") is None]
+    if not missing:
+        return f"a row of --data {data}"
+    row = min(missing, key=lambda r: r.get("index", 0))
+    prompt = row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"])
+    return f"--data {data} {row_name(data, row.get('index', 0))} (prompt {prompt[:40]!r})"
 
 
 def check_answers(funcs, rows, data):
@@ -308,7 +347,7 @@ def check_answers(funcs, rows, data):
     missing = sum(r.get("answer") is None for r in rows)
     if needy and missing:
         raise RunError(
-            f'{answerless_row(data)} has no "answer" ({missing} of {len(rows)} rows '
+            f'{answerless_row(data, rows)} has no "answer" ({missing} of {len(rows)} rows '
             f"lack one), and the reward {', '.join(needy)} compares completions with "
             f"it: add an answer to every row, or pass --reward_funcs that do not read "
             f"answers"

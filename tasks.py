@@ -1,14 +1,16 @@
-"""Tasks and rewards for the RL loops: the built-in task, reward functions, data and its order.
+"""Tasks and rewards for the RL loops: the built-in task and the reward functions (data.py loads
+--data and orders the rows).
 
-    from tasks import default_task, load_jsonl, batch_rows, reward_functions, score_completions
-    train_rows, eval_rows = default_task(num_eval=200)  # or load_jsonl(path, 200, seed)
+    from tasks import default_task, reward_functions, score_completions
+    train_rows, eval_rows = default_task(num_eval=200)  # --data: data.py's load_data
     funcs, weights = reward_functions("", "", data="")  # the task's: format 0.25, correct 0.75
-    rows = batch_rows(train_rows, step, n=64, seed=0)   # step -> prompts, the same on resume
     total, per_func = score_completions(funcs, weights, rows, completions, num_generations=8)
 
-A row is a dict {"prompt": str, "answer": str}. A reward function is a plain callable
-(prompts, completions, answers) -> list[float], one value per completion; give your own as
-`module:function` (the module on PYTHONPATH); `f.needs_answer = True` makes the pre-flight refuse
+A row is a dict {"prompt": a string or a list of {"role", "content"} messages, "answer": ...}.
+A reward function is a plain callable (prompts, completions, answers) -> list[float], one value per
+completion; prompts are the rows' prompts as they are (a conversation stays a list of messages),
+completions are decoded text without special tokens; give your own as `module:function` (the
+module on PYTHONPATH); `f.needs_answer = True` makes the pre-flight refuse
 data with rows that carry no answer (such a row's answer is None). Imports no sibling file except
 `tiny_models` (`task_model` builds the from-scratch model of the built-in task). Rewards for
 real recipes (math answers, a <think> format, a length penalty) are in rewards.py.
@@ -16,7 +18,6 @@ real recipes (math answers, a <think> format, a length penalty) are in rewards.p
 
 import importlib
 import itertools
-import json
 import math
 import os
 import random
@@ -224,59 +225,3 @@ def score_completions(funcs, weights, rows, completions, num_generations):
     per_func = {f.__name__: call_reward(f, prompts, completions, answers) for f in funcs}
     total = sum(w * r for w, r in zip(weights, per_func.values()))  # (B,)
     return total, per_func
-
-
-# ---- Data: JSONL with a held-out split, and the order it is seen in ------------------------------
-def load_jsonl(path, num_eval, seed):
-    """{"prompt": ..., "answer": ...} per line -> (train rows, num_eval held-out rows), seeded
-    shuffle. A malformed line is a ValueError naming its (1-based) line number."""
-    rows = []
-    try:
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(
-                        f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}): "
-                        f"{line.strip()[:80]!r}"
-                    ) from None
-                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                    raise ValueError(
-                        f'{path} line {n} has no string "prompt": {line.strip()[:80]!r}; each '
-                        f'line is {{"prompt": ..., "answer": ...}}'
-                    )
-                rows.append(row)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(
-            f"--data {path}: cannot read it ({getattr(e, 'strerror', None) or e})"
-        ) from None
-    if not rows:
-        raise ValueError(
-            f'--data {path} has no rows; each line is {{"prompt": ..., "answer": ...}}'
-        )
-    random.Random(seed).shuffle(rows)
-    if len(rows) <= num_eval:
-        raise ValueError(
-            f"{path} has {len(rows)} rows, not more than num_eval_prompts={num_eval}; lower it"
-        )
-    return rows[num_eval:], rows[:num_eval]
-
-
-def load_data(data, num_eval, seed):
-    """(train rows, held-out rows): the JSONL file `data`, or the built-in task when it is empty."""
-    return load_jsonl(data, num_eval, seed) if data else default_task(num_eval, seed)
-
-
-def batch_rows(rows, step, n, seed):
-    """The n prompts of global step `step`: a fixed seeded order per epoch, so resume sees the same
-    data."""
-    out, start = [], step * n
-    while len(out) < n:
-        epoch, offset = divmod(start + len(out), len(rows))
-        order = list(range(len(rows)))
-        random.Random(seed * 1000003 + epoch).shuffle(order)
-        out += [rows[i] for i in order[offset : offset + n - len(out)]]
-    return out

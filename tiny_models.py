@@ -241,18 +241,41 @@ def build_qwen_tokenizer(path, chars=DEFAULT_CHARS):
     return tok
 
 
-def build_family(path, family, seed=0, chars=DEFAULT_CHARS, dtype=torch.float32):
+def build_family(
+    path,
+    family,
+    seed=0,
+    chars=DEFAULT_CHARS,
+    dtype=torch.float32,
+    tokenizer_dir="",
+    hidden_size=128,
+):
     """Write the char tokenizer and a randomly initialised (seeded) tiny `family` causal LM to
     `path` (hidden 128, 2 layers, 2 heads of 64); return `path`. Loads in transformers and vLLM,
-    and `bash run.sh grpo --model path` runs it on the built-in task (chars cover TASK_CHARS)."""
-    from transformers import AutoModelForCausalLM
+    and `bash run.sh grpo --model path` runs it on the built-in task (chars cover TASK_CHARS).
+
+    tokenizer_dir: a real tokenizer instead (e.g. ../shared/assets/qwen2.5-tokenizer, with its
+    chat template): copied beside the model, its size the vocabulary, its pad / bos / eos ids in
+    the config, and generation_config's eos_token_id [eos, pad] as Qwen2.5-Instruct ships it
+    (<|im_end|>, <|endoftext|>)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     qwen = family in ("qwen2", "qwen3")  # real Qwen models use Qwen2Tokenizer, as these do
-    tokenizer = build_qwen_tokenizer(path, chars) if qwen else build_tokenizer(path, chars)
-    config = family_config(family, len(tokenizer))
+    if tokenizer_dir:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer.save_pretrained(path)
+    else:
+        tokenizer = build_qwen_tokenizer(path, chars) if qwen else build_tokenizer(path, chars)
+    config = family_config(family, len(tokenizer), hidden_size)
+    if tokenizer_dir:
+        for name in ("pad", "bos", "eos"):
+            setattr(config, f"{name}_token_id", getattr(tokenizer, f"{name}_token_id"))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer_dir:
+        stops = [tokenizer.eos_token_id, tokenizer.pad_token_id]
+        model.generation_config.eos_token_id = list(dict.fromkeys(stops))
     model.save_pretrained(path)
     with open(os.path.join(path, "tiny_models.json"), "w") as f:
         json.dump({"seed": seed, "family": family, "num_parameters": model.num_parameters()}, f)

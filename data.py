@@ -1,0 +1,164 @@
+"""Data for the RL loops: `--data` through `datasets`, each row checked (a string prompt or a
+conversation), the held-out split, and the order the rows are seen in.
+
+    from data import load_data, batch_rows
+    train_rows, eval_rows = load_data("math.jsonl", num_eval=200, seed=0)  # "": the built-in task
+    load_data("org/name", 200, 0, split="train", prompt_field="question", answer_field="solution")
+    rows = batch_rows(train_rows, step, n=64, seed=0)   # step -> prompts, the same on resume
+
+`--data` is a JSONL, JSON, CSV or parquet file, a directory written by `datasets`' save_to_disk,
+another directory of data files, or a hub id (already in the local cache on an offline machine),
+loaded with `datasets.load_dataset` (`load_from_disk` for a saved directory). A row is a dict
+{"prompt": ..., "answer": ..., "index": i}: the prompt is a string or a conversation, a list of
+{"role", "content"} messages (TRL's conversational format, a system turn included); the answer is
+whatever the answer field holds (None where it is missing); `index` is the row's place in the
+source, for messages (`row_name`). A bad row is a ValueError naming it: its line in a JSONL file
+(blank lines counted), else its 1-based row. Imports only tasks.py (the built-in task).
+"""
+
+import json
+import os
+import random
+
+from tasks import default_task
+
+ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+ROW_SHAPE = 'each row is {"prompt": ..., "answer": ...}'
+
+
+def row_name(data, index):
+    """'line N' of a JSONL file (blank lines counted, as an editor shows them), else 'row N'."""
+    if data.endswith(".jsonl") and os.path.isfile(data):
+        with open(data) as f:
+            filled = [n for n, line in enumerate(f, 1) if line.strip()]
+        if index < len(filled):
+            return f"line {filled[index]}"
+    return f"row {index + 1}"
+
+
+def conversation_error(prompt):
+    """None for a usable conversation, else what is wrong with it: not a list of messages, an empty
+    list, a message that is not a dict, an unknown role, a missing (or non-string) content."""
+    if not isinstance(prompt, list):
+        return f"is a {type(prompt).__name__}, not a string or a list of messages"
+    if not prompt:
+        return "is an empty list of messages"
+    for i, m in enumerate(prompt):
+        if not isinstance(m, dict):
+            return f"message {i} is a {type(m).__name__}, not {{'role': ..., 'content': ...}}"
+        if m.get("role") not in ROLES:
+            return f"message {i} has role {m.get('role')!r}, not one of {', '.join(ROLES)}"
+        if not isinstance(m.get("content"), str):
+            return f"message {i} ({m['role']}) has no string content ({m.get('content')!r})"
+    return None
+
+
+def _read(data, split):
+    """The rows of `data` as a list of dicts, through datasets; a ValueError says why not."""
+    import datasets
+
+    datasets.disable_progress_bars()  # one bar per rank per load, in every run's log
+    ext = os.path.splitext(data)[1].lower()
+    saved = any(os.path.isfile(os.path.join(data, f)) for f in ("dataset_dict.json", "state.json"))
+    if not os.path.exists(data) and (ext in FILE_BUILDERS or data.startswith((".", "/", "~"))):
+        raise ValueError(f"--data {data}: cannot read it (No such file or directory)")
+    if os.path.isfile(data) and ext not in FILE_BUILDERS:
+        raise ValueError(
+            f"--data {data}: a {ext or 'extensionless'} file; give a .jsonl, .json, .csv or "
+            f".parquet file, a directory saved by datasets, or a hub id"
+        )
+    try:
+        if os.path.isdir(data) and saved:
+            ds = datasets.load_from_disk(data)
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise ValueError(f"no split {split!r} (it has {', '.join(ds)}): --data_split")
+                ds = ds[split]
+        elif os.path.isfile(data):
+            ds = datasets.load_dataset(FILE_BUILDERS[ext], data_files=data, split=split)
+        else:  # a directory of data files, or a hub id
+            ds = datasets.load_dataset(data, split=split)
+        return ds.to_list()
+    except Exception as e:  # datasets and pyarrow raise many types; each says what it found
+        if "corresponds to no data" in str(e):
+            return []
+        if ext == ".jsonl" and os.path.isfile(data):
+            _check_json_lines(data)  # names the first line that is not JSON
+        raise ValueError(
+            f"--data {data}: datasets could not load it ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''})"
+        ) from None
+
+
+def _check_json_lines(path):
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.strip() and json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}): "
+                    f"{line.strip()[:80]!r}"
+                ) from None
+
+
+def load_rows(data, split="train", prompt_field="prompt", answer_field="answer"):
+    """[{"prompt", "answer", "index"}] from --data in source order; a row whose prompt field is
+    neither a string nor a well-formed conversation is a ValueError naming the row."""
+    try:
+        raw = _read(data, split)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"--data {data}: cannot read it ({getattr(e, 'strerror', None) or e})"
+        ) from None
+    rows = []
+    for i, r in enumerate(raw):
+        prompt = r.get(prompt_field)
+        if isinstance(prompt, list):  # drop the None-valued keys other messages' fields leave
+            prompt = [
+                {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+                for m in prompt
+            ]
+        if not isinstance(prompt, (str, list)):
+            raise ValueError(
+                f'{data} {row_name(data, i)} has no string "{prompt_field}" (nor a list of '
+                f"messages): {json.dumps(r, default=str)[:80]!r}; {ROW_SHAPE} (--prompt_field "
+                f"and --answer_field name other fields)"
+            )
+        if isinstance(prompt, list) and conversation_error(prompt):
+            raise ValueError(
+                f'{data} {row_name(data, i)}: its "{prompt_field}" {conversation_error(prompt)}: '
+                f"{json.dumps(r, default=str)[:80]!r}; a conversation is a non-empty list of "
+                f'{{"role": one of {", ".join(ROLES)}, "content": "..."}}'
+            )
+        rows.append({"prompt": prompt, "answer": r.get(answer_field), "index": i})
+    if not rows:
+        raise ValueError(f"--data {data} has no rows; {ROW_SHAPE}")
+    return rows
+
+
+def load_data(data, num_eval, seed, split="train", prompt_field="prompt", answer_field="answer"):
+    """(train rows, num_eval held-out rows): --data after a seeded shuffle, or the built-in task
+    when data is empty."""
+    if not data:
+        return default_task(num_eval, seed)
+    rows = load_rows(data, split, prompt_field, answer_field)
+    random.Random(seed).shuffle(rows)
+    if len(rows) <= num_eval:
+        raise ValueError(
+            f"{data} has {len(rows)} rows, not more than num_eval_prompts={num_eval}; lower it"
+        )
+    return rows[num_eval:], rows[:num_eval]
+
+
+def batch_rows(rows, step, n, seed):
+    """The n prompts of global step `step`: a fixed seeded order per epoch, so resume sees the same
+    data."""
+    out, start = [], step * n
+    while len(out) < n:
+        epoch, offset = divmod(start + len(out), len(rows))
+        order = list(range(len(rows)))
+        random.Random(seed * 1000003 + epoch).shuffle(order)
+        out += [rows[i] for i in order[offset : offset + n - len(out)]]
+    return out
