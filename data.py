@@ -83,24 +83,42 @@ def _read(data, split):
     except Exception as e:  # datasets and pyarrow raise many types; each says what it found
         if "corresponds to no data" in str(e):
             return []
-        if ext == ".jsonl" and os.path.isfile(data):
-            _check_json_lines(data)  # names the first line that is not JSON
+        if ext in (".jsonl", ".json") and os.path.isfile(data):
+            # Arrow wants one type per column: rows that mix string and conversational prompts, or
+            # a malformed line, land here; plain json reads the first and names the second's line
+            return _read_json(data, ext)
         raise ValueError(
             f"--data {data}: datasets could not load it ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200] if str(e) else ''})"
         ) from None
 
 
-def _check_json_lines(path):
+def _read_json(path, ext):
     with open(path) as f:
-        for n, line in enumerate(f, 1):
+        if ext == ".json":
             try:
-                line.strip() and json.loads(line)
+                rows = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+                ) from None
+            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+                raise ValueError(f"{path}: a .json file holds a list of rows; {ROW_SHAPE}")
+            return rows
+        rows = []
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise ValueError(
                     f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}): "
                     f"{line.strip()[:80]!r}"
                 ) from None
+            if not isinstance(rows[-1], dict):
+                raise ValueError(f"{path} line {n} is not an object: {line.strip()[:80]!r}")
+    return rows
 
 
 def load_rows(data, split="train", prompt_field="prompt", answer_field="answer"):

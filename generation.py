@@ -17,7 +17,7 @@ Public API
                   vllm_batch_size=0, max_model_len=None, seed=0, dtype="auto",
                   logprobs_mode="processed_logprobs", **llm_kwargs)
         .generate(prompts, num_generations=1, max_new_tokens=64, temperature=1.0, top_p=1.0,
-                  top_k=0, greedy=False) -> Generations (with the sampler's logprobs)
+                  top_k=0, greedy=False, stop_token_ids=None) -> Generations (with logprobs)
         .sync_weights(model_or_engine, max_numel=2**26)  stream training weights into vLLM in place
         .sleep() / .wake_up()                            free/restore the KV cache (GPU), else no-op
     attn_implementation_for(model_path, requested)   "eager" under an attention soft-cap
@@ -299,8 +299,11 @@ class VLLMGenerator:
         top_p=1.0,
         top_k=0,
         greedy=False,
+        stop_token_ids=None,
     ):
-        """Sample G completions per prompt; returns Generations with the sampler's logprobs."""
+        """Sample G completions per prompt; returns Generations with the sampler's logprobs.
+        stop_token_ids: ids that end a completion besides the eos ids vLLM reads from the model
+        (batching.stop_token_ids: a chat template's end of turn); kept in it, as eos is."""
         from vllm import SamplingParams
 
         if self.asleep:
@@ -312,6 +315,7 @@ class VLLMGenerator:
             temperature=0.0 if greedy else temperature,
             top_p=1.0 if greedy else top_p,
             top_k=0 if greedy else top_k,
+            stop_token_ids=list(stop_token_ids or []),
         )
         local = [list(p) for p in prompts]
         if self.tp > 1:  # the TP group shares one engine: all its ranks submit the same prompts

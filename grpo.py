@@ -90,11 +90,12 @@ from checks import (
     parse_args_quietly,
     read_ds_json,
 )
+from data import batch_rows
 from generation import VLLMGenerator, attn_implementation_for, generate_hf, unwrap_for_generation
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps
 from memory import PRESETS, MemoryLedger, model_shape, print_estimate
 from runlog import RunLog
-from tasks import TASK_CHARS, batch_rows, reward_functions, score_completions
+from tasks import TASK_CHARS, reward_functions, score_completions
 from tiny_models import llama_config
 from zero3_utils import frozen_engine, load_ds_config, save_hf
 
@@ -238,7 +239,21 @@ class Args:
             for name, values in RECIPES.items()
         ),
     )
-    data: str = arg("", "JSONL of {prompt, answer}; empty: the largest-digit task")
+    data: str = arg(
+        "",
+        "a JSONL, JSON, CSV or parquet file, a directory saved by datasets, or a hub id (datasets."
+        "load_dataset); empty: the largest-digit task",
+    )
+    data_split: str = arg("train", "--data's split (a single file is 'train'; 'train[:1000]' too)")
+    prompt_field: str = arg(
+        "prompt", "--data's prompt field: a string, or a list of {role, content} messages"
+    )
+    answer_field: str = arg(
+        "answer", "--data's answer field, passed to the rewards (None if absent)"
+    )
+    chat_template_kwargs: str = arg(
+        "", 'a JSON object of chat template arguments, e.g. {"enable_thinking": false}'
+    )
     reward_funcs: str = arg(
         "",
         "module:function,... each (prompts, completions, answers) -> list[float]; empty: the "
@@ -468,7 +483,7 @@ def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
         top_p=args.top_p,
     )
     if vllm is not None:
-        return vllm.generate(prompt_ids, **kw)
+        return vllm.generate(prompt_ids, stop_token_ids=args.stop_ids, **kw)
     with unwrap_for_generation(
         engine,
         gather=args.gather_for_generation,
@@ -479,7 +494,7 @@ def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
             prompt_ids,
             batch_size=args.generation_batch_size,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=args.stop_ids,  # eos ids and the chat template's end of turn
             **kw,
         )
 
@@ -571,9 +586,8 @@ def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
         return float("nan"), float("nan")
     mine = rows[rank::world]
     torch.manual_seed(args.seed + 12345 + rank)  # the same eval samples at every point of a run
-    gens = generate(
-        engine, vllm, tokenizer, encode_prompts(tokenizer, mine, args.max_prompt_length), args, 1
-    )
+    prompt_ids = encode_prompts(tokenizer, mine, args.max_prompt_length, args.template_kwargs)
+    gens = generate(engine, vllm, tokenizer, prompt_ids, args, 1)
     completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
     total, per_func = score_completions(args.funcs, args.weights, mine, completions, 1)
     solved = torch.stack([r >= 1 for r in per_func.values()]).all(0)  # (B,)
@@ -758,7 +772,7 @@ def main(argv=None):
 
         # 3. rollout: whole groups on this rank ----------------------------------------------
         rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N : (rank + 1) * N]
-        prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length)
+        prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length, args.template_kwargs)
         if vllm is not None:
             with ledger.phase("weight_sync"):
                 vllm.wake_up()  # KV cache and weights back from sleep (no-op where unsupported)

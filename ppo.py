@@ -93,11 +93,12 @@ from checks import (
     load_tokenizer,
     parse_args_quietly,
 )
+from data import batch_rows
 from generation import attn_implementation_for, generate_hf, unwrap_for_generation
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
-from tasks import RewardError, batch_rows, reward_functions, score_completions
+from tasks import RewardError, reward_functions, score_completions
 from zero3_utils import frozen_engine, gathered, load_ds_config, save_hf
 
 # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
@@ -219,7 +220,21 @@ def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
 @dataclass
 class Args:
     model: str = arg("", "actor hub id or path; empty: tiny model from scratch")
-    data: str = arg("", "JSONL of {prompt, answer}; empty: the largest-digit task")
+    data: str = arg(
+        "",
+        "a JSONL, JSON, CSV or parquet file, a directory saved by datasets, or a hub id (datasets."
+        "load_dataset); empty: the largest-digit task",
+    )
+    data_split: str = arg("train", "--data's split (a single file is 'train'; 'train[:1000]' too)")
+    prompt_field: str = arg(
+        "prompt", "--data's prompt field: a string, or a list of {role, content} messages"
+    )
+    answer_field: str = arg(
+        "answer", "--data's answer field, passed to the rewards (None if absent)"
+    )
+    chat_template_kwargs: str = arg(
+        "", 'a JSON object of chat template arguments, e.g. {"enable_thinking": false}'
+    )
     reward_model: str = arg(
         "",
         "sequence-classification reward model (1 label, the actor's tokenizer); empty: "
@@ -438,7 +453,7 @@ def generate(engine, tokenizer, prompt_ids, args, num_generations):
             temperature=args.temperature,
             top_p=args.top_p,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=args.stop_ids,  # eos ids and the chat template's end of turn
         )
 
 
@@ -700,7 +715,7 @@ def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
         return float("nan"), float("nan")
     mine = rows[rank::world]
     torch.manual_seed(args.seed + 12345 + rank)  # the same eval samples at every point of a run
-    prompt_ids = encode_prompts(tokenizer, mine, args.max_prompt_length)
+    prompt_ids = encode_prompts(tokenizer, mine, args.max_prompt_length, args.template_kwargs)
     gens = generate(engine, tokenizer, prompt_ids, args, 1)
     completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
     batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
@@ -823,7 +838,7 @@ def main(argv=None):
 
         # 3. rollout and scores ----------------------------------------------------------------
         rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N : (rank + 1) * N]
-        prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length)
+        prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length, args.template_kwargs)
         with ledger.phase("rollout"):
             gens = generate(engine, tokenizer, prompt_ids, args, G)
             completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)

@@ -1,19 +1,18 @@
-"""tasks.py: the built-in task, reward functions and their loading, JSONL data, the data order."""
+"""tasks.py: the built-in task, reward functions and their loading; data.py's JSONL loading and
+the data order (its other formats and conversations: test_data.py)."""
 
 import json
 
 import pytest
 import torch
 
+from data import batch_rows, load_data
 from tasks import (
     RewardError,
-    batch_rows,
     correct_reward,
     default_task,
     exact_match_reward,
     format_reward,
-    load_data,
-    load_jsonl,
     reward_functions,
     score_completions,
 )
@@ -73,28 +72,28 @@ def test_load_jsonl_split_and_bad_input(tmp_path):
     good.write_text(
         "".join(json.dumps({"prompt": f"{i}=", "answer": str(i)}) + "\n" for i in range(10)) + "\n"
     )
-    train, held = load_jsonl(good, 3, 0)
+    train, held = load_data(str(good), 3, 0)
     assert (
         len(train) == 7
         and len(held) == 3
         and not {r["prompt"] for r in train} & {r["prompt"] for r in held}
     )
-    assert load_data(str(good), 3, 0) == (train, held) and load_data("", 3, 0) == default_task(3, 0)
+    assert load_data("", 3, 0) == default_task(3, 0)
     with pytest.raises(ValueError, match="lower it"):
-        load_jsonl(good, 10, 0)
+        load_data(str(good), 10, 0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1=", "answer": "1"}\n{"question": "2="}\n')
     with pytest.raises(ValueError, match='bad.jsonl line 2 has no string "prompt"'):
-        load_jsonl(bad, 0, 0)
+        load_data(str(bad), 0, 0)
     bad.write_text('{"prompt": "1=", "answer": "1"}\n\n{"prompt": "2=", "answer": 2\n')
     # blank lines still count
     with pytest.raises(ValueError, match="bad.jsonl line 3 is not valid JSON"):
-        load_jsonl(bad, 0, 0)
+        load_data(str(bad), 0, 0)
     bad.write_text("\n")
     with pytest.raises(ValueError, match="has no rows"):
-        load_jsonl(bad, 0, 0)
+        load_data(str(bad), 0, 0)
     with pytest.raises(ValueError, match="cannot read it"):
-        load_jsonl(tmp_path / "missing.jsonl", 0, 0)
+        load_data(str(tmp_path / "missing.jsonl"), 0, 0)
 
 
 def test_reward_failures_name_the_function():

@@ -1,0 +1,99 @@
+"""data.py: --data through datasets (JSONL, JSON, CSV, parquet, save_to_disk directories, fields,
+splits), conversational rows checked and named, the held-out split as before. Local files only."""
+
+import json
+import random
+
+import datasets
+import pytest
+
+from data import load_data, load_rows
+
+ROWS = [{"question": f"{i} + {i} = ?", "solution": f"n{2 * i}"} for i in range(12)]
+
+
+def write_all(tmp_path):
+    """ROWS in every format --data takes; returns {name: path}."""
+    ds = datasets.Dataset.from_list(ROWS)
+    paths = {
+        "jsonl": tmp_path / "d.jsonl",
+        "json": tmp_path / "d.json",
+        "csv": tmp_path / "d.csv",
+        "parquet": tmp_path / "d.parquet",
+        "saved": tmp_path / "saved",
+        "saved_dict": tmp_path / "saved_dict",
+    }
+    paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    paths["json"].write_text(json.dumps(ROWS))
+    ds.to_csv(paths["csv"])
+    ds.to_parquet(paths["parquet"])
+    ds.save_to_disk(paths["saved"])
+    other = datasets.Dataset.from_list([{"question": "held", "solution": "x"}] * 3)
+    datasets.DatasetDict({"train": other, "test": ds}).save_to_disk(paths["saved_dict"])
+    return {k: str(v) for k, v in paths.items()}
+
+
+def test_every_format_gives_the_same_rows_and_split(tmp_path):
+    """Each format, with --prompt_field / --answer_field: the rows in source order, then the same
+    seeded held-out split the JSONL loader always made (random.Random(seed).shuffle)."""
+    paths = write_all(tmp_path)
+    expected = [
+        {"prompt": r["question"], "answer": r["solution"], "index": i} for i, r in enumerate(ROWS)
+    ]
+    shuffled = list(expected)
+    random.Random(3).shuffle(shuffled)
+    for name, path in paths.items():
+        split = "test" if name == "saved_dict" else "train"
+        fields = dict(split=split, prompt_field="question", answer_field="solution")
+        assert load_rows(path, **fields) == expected, name
+        assert load_data(path, 4, 3, **fields) == (shuffled[4:], shuffled[:4]), name
+    assert load_rows(paths["saved_dict"], "train", "question")[0]["prompt"] == "held"
+    assert len(load_rows(paths["jsonl"], "train[:5]", "question")) == 5  # datasets' slices
+    with pytest.raises(ValueError, match=r"no split 'validation' \(it has train, test\)"):
+        load_rows(paths["saved_dict"], "validation", "question")
+    with pytest.raises(ValueError, match='d.csv row 1 has no string "prompt"'):
+        load_rows(paths["csv"])  # the default field names are not this file's
+    with pytest.raises(ValueError, match="a .txt file; give a .jsonl"):
+        (tmp_path / "d.txt").write_text("x")
+        load_rows(str(tmp_path / "d.txt"))
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer with a number."},
+    {"role": "user", "content": "2 + 3?"},
+]
+
+
+def test_conversational_rows_load_and_bad_ones_are_named(tmp_path):
+    """TRL's conversational format loads as lists of {"role", "content"} (a message's absent keys
+    stay absent, though datasets fills them with None); an unknown role, a missing content, an
+    empty list and a non-list are refused naming the line (blank lines counted) or the row."""
+    path = tmp_path / "chat.jsonl"
+    good = [
+        {"prompt": CONVERSATION, "answer": "5"},
+        {"prompt": [{"role": "user", "content": "1 + 1?", "name": "ann"}], "answer": "2"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in good))
+    rows = load_rows(str(path))
+    assert [r["prompt"] for r in rows] == [CONVERSATION, good[1]["prompt"]]
+    for prompt, msg in (
+        ([{"role": "robot", "content": "hi"}], "message 0 has role 'robot', not one of system"),
+        ([*CONVERSATION, {"role": "user"}], r"message 2 \(user\) has no string content"),
+        ([], "is an empty list of messages"),
+        (["hello"], "message 0 is a str, not"),
+    ):
+        path.write_text(json.dumps(good[0]) + "\n\n" + json.dumps({"prompt": prompt}) + "\n")
+        with pytest.raises(ValueError, match=f'chat.jsonl line 3: its "prompt" {msg}'):
+            load_data(str(path), 0, 0)
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps([good[0], {"prompt": [{"role": "user", "content": None}]}]))
+    with pytest.raises(ValueError, match=r'chat.json row 2: its "prompt" message 0 \(user\)'):
+        load_data(str(path), 0, 0)
+
+
+def test_a_saved_dataset_of_conversations(tmp_path):
+    """A save_to_disk directory of conversations (the form a datasets pipeline leaves) loads the
+    same as its JSONL."""
+    rows = [{"prompt": CONVERSATION, "answer": str(i)} for i in range(5)]
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "saved")
+    assert [r["prompt"] for r in load_rows(str(tmp_path / "saved"))] == [CONVERSATION] * 5
