@@ -80,6 +80,39 @@ def jsonl(path, lines):
     return str(path)
 
 
+@pytest.mark.parametrize("loop", [grpo, ppo], ids=["grpo", "ppo"])
+def test_bad_conversations_and_template_arguments(env, capsys, loop):
+    """A conversational row with an unknown role, a missing content or an empty list is refused
+    before training, naming its line; so is a conversation for a tokenizer without a chat template
+    (the built-in task's) and --chat_template_kwargs that is not a JSON object."""
+    good = '{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": '
+    good += '"1="}], "answer": "1"}'
+    for bad, msg in (
+        ('{"prompt": [{"role": "bot", "content": "1="}]}', "message 0 has role 'bot'"),
+        ('{"prompt": [{"role": "user"}]}', "message 0 (user) has no string content"),
+        ('{"prompt": []}', "is an empty list of messages"),
+    ):
+        data = jsonl(env / "chat.jsonl", [good] * 3 + [bad] + [good] * 8)
+        assert fails(
+            capsys,
+            preflight(loop.main, env, "--data", data),
+            'chat.jsonl line 4: its "prompt"',
+            msg,
+        )
+    data = jsonl(env / "chat.jsonl", [good] * 12)
+    assert fails(
+        capsys,
+        preflight(loop.main, env, "--data", data),
+        "its prompt is a conversation and the tokenizer of",
+        "has no chat template",
+    )
+    assert fails(
+        capsys,
+        preflight(loop.main, env, "--chat_template_kwargs", "enable_thinking=false"),
+        "--chat_template_kwargs 'enable_thinking=false' is not JSON",
+    )
+
+
 def test_model_path_missing_or_not_a_model(env, capsys):
     assert fails(
         capsys,
