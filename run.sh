@@ -13,7 +13,8 @@
 #                and the same RUN_DIR on a shared filesystem
 #   DS_CONFIG    DeepSpeed JSON (default configs/zero3.json; also zero2.json, zero3_offload.json);
 #                "auto" values in it are filled from the script's arguments
-#   MODEL, DATA  hub id or path of the policy; JSONL of {"prompt": ..., "answer": ...}
+#   MODEL, DATA  hub id or path of the policy; --data: a JSONL/JSON/CSV/parquet file of {"prompt":
+#                ..., "answer": ...}, a datasets directory or a hub id (data.py)
 #   RUN_DIR      where metrics, checkpoints and the final model go (default runs/<algo>-<time>);
 #                resume with RUN_DIR=<that dir> bash run.sh grpo --resume True
 #   PREFLIGHT    0 skips the one-process check of every input before torchrun (default 1)
