@@ -68,14 +68,15 @@ def _read(data, split):
             f"--data {data}: a {ext or 'extensionless'} file; give a .jsonl, .json, .csv or "
             f".parquet file, a directory saved by datasets, or a hub id"
         )
+    if os.path.isdir(data) and saved:
+        ds = datasets.load_from_disk(data)
+        if isinstance(ds, datasets.DatasetDict) and split not in ds:
+            raise ValueError(
+                f"--data {data} has no split {split!r} (it has {', '.join(ds)}): set --data_split"
+            )
+        return (ds[split] if isinstance(ds, datasets.DatasetDict) else ds).to_list()
     try:
-        if os.path.isdir(data) and saved:
-            ds = datasets.load_from_disk(data)
-            if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
-                    raise ValueError(f"no split {split!r} (it has {', '.join(ds)}): --data_split")
-                ds = ds[split]
-        elif os.path.isfile(data):
+        if os.path.isfile(data):
             ds = datasets.load_dataset(FILE_BUILDERS[ext], data_files=data, split=split)
         else:  # a directory of data files, or a hub id
             ds = datasets.load_dataset(data, split=split)

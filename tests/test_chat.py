@@ -165,7 +165,8 @@ def test_run_sh_on_conversations(chat_model, tmp_path, loop):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "chatrewards.py").write_text(REWARDS)
     log, run_dir = tmp_path / "completions.jsonl", tmp_path / "run"
-    env = {"PYTHONPATH": str(tmp_path), "CHAT_LOG": str(log)}
+    # PREFLIGHT=0: each rank runs the same checks (check_inputs) before it loads a model
+    env = {"PYTHONPATH": str(tmp_path), "CHAT_LOG": str(log), "PREFLIGHT": "0"}
     args = [
         "--model", path, "--data", data, "--run_dir", run_dir, "--max_steps", "1",
         "--num_eval_prompts", "2", "--prompts_per_rank", "1", "--num_generations", "2",

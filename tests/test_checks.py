@@ -272,7 +272,9 @@ def test_resume_without_a_checkpoint_or_with_another_config(env, capsys):
         "--ds_config",
         os.path.join(ROOT, "configs", "zero3.json"),
     ]
-    save_checkpoint({}, str(env / "run" / "checkpoints"), 2, run_config(grpo.parse_args(base), 2))
+    args = grpo.parse_args(base)
+    grpo.preflight(args, 0, 2)  # as main does before it takes run_config (stop_ids, ...)
+    save_checkpoint({}, str(env / "run" / "checkpoints"), 2, run_config(args, 2))
     assert preflight(grpo.main, env, "--resume", "True") == 0
     # a memory knob may change on resume (the update does not depend on micro-batching) ...
     assert preflight(grpo.main, env, "--resume", "True", "--per_device_train_batch_size", "8") == 0
@@ -599,7 +601,9 @@ def test_resume_with_corrupt_metadata_or_missing_shards(env, capsys, loop):
         os.path.join(ROOT, "configs", "zero3.json"),
     ]
     names = ("policy",) if loop is grpo else ("actor", "critic")
-    config = run_config(loop.parse_args(base), 2)
+    args = loop.parse_args(base)
+    loop.preflight(args, 0, 2)  # as main does before it takes run_config (stop_ids, ...)
+    config = run_config(args, 2)
     save_checkpoint({n: FakeEngine() for n in names}, str(ckpt), 2, config)
     assert preflight(loop.main, env, "--resume", "True") == 0
     shard = f"{names[-1]}/zero_pp_rank_1_mp_rank_00_model_states.pt"

@@ -48,6 +48,9 @@ def test_every_format_gives_the_same_rows_and_split(tmp_path):
         assert load_rows(path, **fields) == expected, name
         assert load_data(path, 4, 3, **fields) == (shuffled[4:], shuffled[:4]), name
     assert load_rows(paths["saved_dict"], "train", "question")[0]["prompt"] == "held"
+    (tmp_path / "files").mkdir()  # a directory of data files: datasets finds the format
+    (tmp_path / "files" / "train.jsonl").write_text(open(paths["jsonl"]).read())
+    assert load_rows(str(tmp_path / "files"), "train", "question", "solution") == expected
     assert len(load_rows(paths["jsonl"], "train[:5]", "question")) == 5  # datasets' slices
     with pytest.raises(ValueError, match=r"no split 'validation' \(it has train, test\)"):
         load_rows(paths["saved_dict"], "validation", "question")
