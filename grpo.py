@@ -32,8 +32,9 @@ with W + scaling * B @ A computed per layer, one group at a time (zero3_utils.it
 rather than LoRA requests, because merged weights keep vLLM's plain kernels, load on every vLLM
 backend (the CPU one too) and need no enable_lora / max_lora_rank sizing; the price is a full-weight
 stream per step, as in full fine-tuning. The final model is saved merged, as a plain model.
-Shared with ppo.py, one file each: tasks.py (the built-in task, reward functions, data and its
-order), batching.py (prompt ids, padded batches, micro-batch plans, collectives), runlog.py
+Shared with ppo.py, one file each: tasks.py (the built-in task, reward functions), data.py (--data
+through datasets, conversations, the data order), batching.py (prompt ids through the chat
+template, stop ids, padded batches, micro-batch plans, collectives), runlog.py
 (metrics.jsonl, wandb, curves.png), memory.py (peak memory per phase; out of memory names the phase
 and OOM_HINTS' knob), checks.py (every input checked before a model loads, one message and an exit
 code per failure, non-finite steps skipped and a streak stopped), checkpoint.py (atomic checkpoints;

@@ -35,10 +35,10 @@ Departures from the paper (InstructGPT / "Fine-Tuning LMs from Human Preferences
 - Packing (`--packing`) concatenates a micro-batch's sequences into one row with position ids
   restarting per sequence; transformers turns that into a block-diagonal causal mask (SDPA, eager)
   or variable-length kernels (flash attention), so no token attends across sequences.
-Shared with grpo.py: tasks.py (task, rewards, data order), batching.py (batches, micro-batches,
-collectives), runlog.py (run files), memory.py (peak memory per phase, OOM_HINTS), checks.py (inputs
-checked up front, exit codes, non-finite steps), checkpoint.py (atomic checkpoints of actor and
-critic, resume); logprobs.model_logps scores padded and packed rows.
+Shared with grpo.py: tasks.py (task, rewards), data.py (--data, data order), batching.py (batches,
+micro-batches, collectives), runlog.py (run files), memory.py (peak memory per phase, OOM_HINTS),
+checks.py (inputs checked up front, exit codes, non-finite steps), checkpoint.py (atomic
+checkpoints of actor and critic, resume); logprobs.model_logps scores padded and packed rows.
 Limits: the reward model must share the actor's tokenizer (token ids are passed as they are);
 every rank loads full checkpoints before DeepSpeed partitions them; no vLLM path yet.
 """
