@@ -257,8 +257,9 @@ def check_inputs(args, rank):
     supports), data (each JSONL line), training rows left, answers for the rewards that read them,
     the model (the built-in task's is built here by rank 0) and its weights, its tokenizer (eos and
     pad tokens), prompt lengths (one warning), the reward functions on real prompts (args.funcs).
-    Needs args.ds_config, data, data_split, prompt_field, answer_field, num_eval_prompts, seed,
-    run_dir, model, pad_token, chat_template_kwargs, max_prompt_length, funcs, weights; sets
+    Needs args.ds_config, data, data_split, data_config, prompt_field, answer_field,
+    num_eval_prompts, seed, run_dir, model, pad_token, chat_template_kwargs, max_prompt_length,
+    funcs, weights; sets
     args.template_kwargs (the parsed JSON) and args.stop_ids (batching.stop_token_ids). Returns
     (train_rows, eval_rows, model_path, model config, tokenizer)."""
     read_ds_json(args.ds_config)
@@ -271,6 +272,7 @@ def check_inputs(args, rank):
             args.data_split,
             args.prompt_field,
             args.answer_field,
+            args.data_config,
         )
     except ValueError as e:
         raise RunError(str(e)) from None

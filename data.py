@@ -3,12 +3,13 @@ conversation), the held-out split, and the order the rows are seen in.
 
     from data import load_data, batch_rows
     train_rows, eval_rows = load_data("math.jsonl", num_eval=200, seed=0)  # "": the built-in task
-    load_data("org/name", 200, 0, split="train", prompt_field="question", answer_field="solution")
+    load_data("openai/gsm8k", 200, 0, split="train", prompt_field="question", config="main")
     rows = batch_rows(train_rows, step, n=64, seed=0)   # step -> prompts, the same on resume
 
 `--data` is a JSONL, JSON, CSV or parquet file, a directory written by `datasets`' save_to_disk,
 another directory of data files, or a hub id (already in the local cache on an offline machine),
-loaded with `datasets.load_dataset` (`load_from_disk` for a saved directory). A row is a dict
+loaded with `datasets.load_dataset` (`load_from_disk` for a saved directory); `config` names one of
+a hub dataset's (or a directory's) subsets, as gsm8k's "main". A row is a dict
 {"prompt": ..., "answer": ..., "index": i}: the prompt is a string or a conversation, a list of
 {"role", "content"} messages (TRL's conversational format, a system turn included); the answer is
 whatever the answer field holds (None where it is missing); `index` is the row's place in the
@@ -54,7 +55,7 @@ def conversation_error(prompt):
     return None
 
 
-def _read(data, split):
+def _read(data, split, config=""):
     """The rows of `data` as a list of dicts, through datasets; a ValueError says why not."""
     import datasets
 
@@ -78,8 +79,8 @@ def _read(data, split):
     try:
         if os.path.isfile(data):
             ds = datasets.load_dataset(FILE_BUILDERS[ext], data_files=data, split=split)
-        else:  # a directory of data files, or a hub id
-            ds = datasets.load_dataset(data, split=split)
+        else:  # a directory of data files, or a hub id; config: one of its named subsets
+            ds = datasets.load_dataset(data, config or None, split=split)
         return ds.to_list()
     except Exception as e:  # datasets and pyarrow raise many types; each says what it found
         if "corresponds to no data" in str(e):
@@ -88,9 +89,10 @@ def _read(data, split):
             # Arrow wants one type per column: rows that mix string and conversational prompts, or
             # a malformed line, land here; plain json reads the first and names the second's line
             return _read_json(data, ext)
+        hub = "; offline, a hub id must be in datasets' cache already" * (not os.path.exists(data))
         raise ValueError(
             f"--data {data}: datasets could not load it ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200] if str(e) else ''})"
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}){hub}"
         ) from None
 
 
@@ -122,11 +124,11 @@ def _read_json(path, ext):
     return rows
 
 
-def load_rows(data, split="train", prompt_field="prompt", answer_field="answer"):
+def load_rows(data, split="train", prompt_field="prompt", answer_field="answer", config=""):
     """[{"prompt", "answer", "index"}] from --data in source order; a row whose prompt field is
     neither a string nor a well-formed conversation is a ValueError naming the row."""
     try:
-        raw = _read(data, split)
+        raw = _read(data, split, config)
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(
             f"--data {data}: cannot read it ({getattr(e, 'strerror', None) or e})"
@@ -157,12 +159,14 @@ def load_rows(data, split="train", prompt_field="prompt", answer_field="answer")
     return rows
 
 
-def load_data(data, num_eval, seed, split="train", prompt_field="prompt", answer_field="answer"):
+def load_data(
+    data, num_eval, seed, split="train", prompt_field="prompt", answer_field="answer", config=""
+):
     """(train rows, num_eval held-out rows): --data after a seeded shuffle, or the built-in task
     when data is empty."""
     if not data:
         return default_task(num_eval, seed)
-    rows = load_rows(data, split, prompt_field, answer_field)
+    rows = load_rows(data, split, prompt_field, answer_field, config)
     random.Random(seed).shuffle(rows)
     if len(rows) <= num_eval:
         raise ValueError(

@@ -246,6 +246,7 @@ class Args:
         "load_dataset); empty: the largest-digit task",
     )
     data_split: str = arg("train", "--data's split (a single file is 'train'; 'train[:1000]' too)")
+    data_config: str = arg("", "--data's subset (config name) on the hub, e.g. gsm8k's main")
     prompt_field: str = arg(
         "prompt", "--data's prompt field: a string, or a list of {role, content} messages"
     )

@@ -94,6 +94,29 @@ def test_conversational_rows_load_and_bad_ones_are_named(tmp_path):
         load_data(str(path), 0, 0)
 
 
+def test_a_directory_with_named_configs(tmp_path):
+    """--data_config: a dataset with named subsets (the form of a hub dataset such as gsm8k, whose
+    "main" and "socratic" are declared in its README.md), here a local directory: the same
+    load_dataset(path, config, split) call a hub id takes."""
+    for name in ("main", "other"):
+        (tmp_path / name).mkdir()
+        rows = [{"question": f"{name} {i}", "answer": f"#### {i}"} for i in range(3)]
+        (tmp_path / name / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "README.md").write_text(
+        "---\nconfigs:\n"
+        + "".join(
+            f"- config_name: {n}\n  data_files:\n  - split: train\n    path: {n}/train.jsonl\n"
+            for n in ("main", "other")
+        )
+        + "---\n"
+    )
+    rows = load_rows(str(tmp_path), "train", "question", config="other")
+    assert [r["prompt"] for r in rows] == ["other 0", "other 1", "other 2"]
+    assert rows[2]["answer"] == "#### 2"
+    with pytest.raises(ValueError, match="datasets could not load it"):
+        load_rows(str(tmp_path), "train", "question", config="nope")
+
+
 def test_a_saved_dataset_of_conversations(tmp_path):
     """A save_to_disk directory of conversations (the form a datasets pipeline leaves) loads the
     same as its JSONL."""
