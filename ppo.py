@@ -98,6 +98,7 @@ from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps, 
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import RewardError, batch_rows, reward_functions, score_completions
+from zero3_load import load_model
 from zero3_utils import frozen_engine, gathered, load_ds_config, save_hf
 
 # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
@@ -488,15 +489,16 @@ class Critic(torch.nn.Module):
         return self.value_head(hidden).squeeze(-1).float()  # (B, T)
 
 
-def build_critic(path, from_reward_model, dtype, attn_implementation):
+def build_critic(path, from_reward_model, dtype, attn_implementation, ds_config=None):
     """From a reward model: its body and its score head. From a causal LM: its body and a zero
-    value head (values start at 0, the body's features are trained by the value loss)."""
+    value head (values start at 0, the body's features are trained by the value loss). With a
+    ZeRO-3 ds_config the body (and score head) are built partitioned (zero3_load.load_model);
+    a new value head is partitioned by deepspeed.initialize."""
+    kw = dict(dtype=dtype, attn_implementation=attn_implementation, ds_config=ds_config)
     if from_reward_model:
-        rm = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
-        )
+        rm = load_model(AutoModelForSequenceClassification, path, num_labels=1, **kw)
         return Critic(getattr(rm, rm.base_model_prefix), rm.score)
-    body = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    body = load_model(AutoModel, path, **kw)
     head = torch.nn.Linear(body.config.hidden_size, 1, bias=False, dtype=dtype)
     torch.nn.init.zeros_(head.weight)
     return Critic(body, head)
