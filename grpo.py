@@ -80,6 +80,7 @@ from checks import (
     RunError,
     StepGuard,
     arg,
+    check_attn_implementation,
     check_ds_config,
     check_global_batch,
     check_inputs,
@@ -96,7 +97,8 @@ from memory import PRESETS, MemoryLedger, model_shape, print_estimate
 from runlog import RunLog
 from tasks import TASK_CHARS, batch_rows, reward_functions, score_completions
 from tiny_models import llama_config
-from zero3_utils import frozen_engine, load_ds_config, save_hf
+from zero3_load import load_model
+from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
 # --recipe NAME: a named set of defaults (--help lists them); a flag given on the command line wins.
@@ -309,6 +311,14 @@ class Args:
         ">= 0",
     )
     ref_offload: bool = arg(False, "keep the reference model's shards in CPU memory")
+    attn_implementation: str = arg(
+        "sdpa", "sdpa, eager or flash_attention_2 (needs flash-attn and a CUDA GPU)"
+    )
+    partitioned_loading: bool = arg(
+        True,
+        "ZeRO-3: build every model already partitioned, each rank reading only its shard of the "
+        "checkpoint (zero3_load.py); False: every rank loads the full checkpoint first",
+    )
     lora_r: int = arg(
         0,
         "> 0: train LoRA adapters of this rank only (peft); the reference is the policy with "
@@ -373,6 +383,7 @@ def parse_args(argv=None):
         raise RunError(
             "--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)"
         )
+    check_attn_implementation(args.attn_implementation)  # flash attention: installed?
     if args.report_to not in ("none", "wandb"):
         raise RunError("--report_to: none or wandb")
     if args.dtype not in ("auto", "bf16", "fp32"):
@@ -427,6 +438,7 @@ MEMORY_KNOBS = (
     "vllm_batch_size",
     "vllm_gpu_memory_utilization",
     "ref_offload",
+    "partitioned_loading",
     "max_bad_steps",
     "micro",
 )
@@ -655,8 +667,15 @@ def main(argv=None):
 
     # 2. models ------------------------------------------------------------------------------
     # eager for Gemma-2: sdpa drops its attention soft-cap, which vLLM applies
-    attn = dict(dtype=dtype, attn_implementation=attn_implementation_for(model_path))
-    model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
+    attn = dict(
+        dtype=dtype,
+        attn_implementation=attn_implementation_for(model_path, args.attn_implementation),
+    )
+    # ZeRO-3: built partitioned, each rank reading only its shard (zero3_load.py); else whole
+    part = args.partitioned_loading
+    model = load_model(
+        AutoModelForCausalLM, model_path, ds_config=ds_config if part else None, **attn
+    )
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if args.lora_r:  # only the adapters train; the reference needs no copy (adapters off)
@@ -690,11 +709,11 @@ def main(argv=None):
         engine.enable_backward_allreduce = False
     ref = None
     if args.beta > 0 and not args.lora_r:
-        ref = frozen_engine(
-            AutoModelForCausalLM.from_pretrained(model_path, **attn),
-            ds_config,
-            offload=args.ref_offload,
+        ref_ds = frozen_config(ds_config, args.ref_offload)  # a ZeRO-3 engine at any stage
+        ref_model = load_model(
+            AutoModelForCausalLM, model_path, ds_config=ref_ds if part else None, **attn
         )
+        ref = frozen_engine(ref_model, ds_config, offload=args.ref_offload)
     vllm = None
     if args.use_vllm:
         vllm = VLLMGenerator(
