@@ -38,8 +38,9 @@ order), batching.py (prompt ids, padded batches, micro-batch plans, collectives)
 and OOM_HINTS' knob), checks.py (every input checked before a model loads, one message and an exit
 code per failure, non-finite steps skipped and a streak stopped), checkpoint.py (atomic checkpoints;
 --resume replays the same data, samples and metrics).
-Limits: every rank loads the full checkpoint before DeepSpeed partitions it (no zero.Init,
-which needs `accelerate`); the held-out score is one sampled completion per prompt.
+Under ZeRO-3 the policy and the reference are built already partitioned, each rank reading only
+its own shard of the checkpoint (zero3_load.py; --partitioned_loading False: the full load).
+Limits: the held-out score is one sampled completion per prompt.
 """
 
 import json

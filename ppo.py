@@ -39,8 +39,10 @@ Shared with grpo.py: tasks.py (task, rewards, data order), batching.py (batches,
 collectives), runlog.py (run files), memory.py (peak memory per phase, OOM_HINTS), checks.py (inputs
 checked up front, exit codes, non-finite steps), checkpoint.py (atomic checkpoints of actor and
 critic, resume); logprobs.model_logps scores padded and packed rows.
+Under ZeRO-3 all four models are built already partitioned, each rank reading only its own
+shard of the checkpoints (zero3_load.py; --partitioned_loading False: the full load).
 Limits: the reward model must share the actor's tokenizer (token ids are passed as they are);
-every rank loads full checkpoints before DeepSpeed partitions them; no vLLM path yet.
+no vLLM path yet.
 """
 
 import json

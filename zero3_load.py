@@ -15,7 +15,7 @@ Why not transformers' DeepSpeed integration (an HfDeepSpeedConfig alive before f
 transformers 5.19 builds the model under zero.Init too, but then reads every checkpoint file
 into one state dict on EVERY rank and copies it in under GatheredParameters (rank 0 writes, all
 ranks re-partition): each rank's loading peak is the full model plus its shard, the very cost
-this file removes (bench/zero3_load.py measures both). Why not zero.Init + GatheredParameters
+this file removes (bench/partitioned_load.py measures both). Why not zero.Init + GatheredParameters
 per parameter: every rank then holds each full parameter once (a 150k-token embedding is a
 quarter of Qwen2.5-0.5B) and rank 0 a second copy read from disk; reading each rank's own slice
 needs no gather and no broadcast at all, at the price of knowing DeepSpeed's partition layout
@@ -31,10 +31,12 @@ without the base-model prefix); anything else is a ValueError saying so.
 import json
 import math
 import os
+from contextlib import contextmanager
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.zero.partition_parameters import Init
 from safetensors import safe_open
 from transformers import AutoConfig, GenerationConfig
 from transformers import initialization as hf_init
@@ -73,7 +75,8 @@ def load_model(auto_class, path, dtype, ds_config=None, attn_implementation="sdp
         **ds_config,
         **{k: {**ds_config.get(k, {}), "enabled": dtype == t} for k, t in _PRECISION.items()},
     }
-    with hf_init.no_init_weights(), deepspeed.zero.Init(config_dict_or_path=cfg):
+    init = deepspeed.zero.Init(config_dict_or_path=cfg)
+    with hf_init.no_init_weights(), _ds_no_init_broadcast(), init:
         model = auto_class.from_config(config, **kw)
     model.tie_weights()  # as from_pretrained does: a tied lm_head has no weights of its own
     load_partitions(model, files)
@@ -109,6 +112,26 @@ def read_flat(file, name, start, end):
         row = math.prod(shape[1:])  # elements per index of dim 0
         r0, r1 = start // row, -(-end // row)
         return sl[r0:r1].reshape(-1)[start - r0 * row : end - r0 * row].clone()
+
+
+@contextmanager
+def _ds_no_init_broadcast():
+    # deepspeed 0.19.8: Init._zero_init_param broadcasts every new parameter from rank 0 before
+    # partitioning it, so that random inits agree. Here every value comes from the checkpoint
+    # afterwards (load_partitions refuses a parameter it cannot fill), and the broadcast would
+    # write each full parameter on the other ranks: the last one built (lm_head, as large as the
+    # embedding) on top of every shard, 0.6 x the model's bytes on 2 ranks. Partition only.
+    original = Init._zero_init_param
+
+    def partition_only(self, param):
+        self._convert_to_deepspeed_param(param)
+        param.partition()
+
+    Init._zero_init_param = partition_only
+    try:
+        yield
+    finally:
+        Init._zero_init_param = original
 
 
 def _ds_fill_partition(param, read):
