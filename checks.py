@@ -49,6 +49,7 @@ import torch
 from batching import encode_prompts
 from memory import is_out_of_memory
 from tasks import load_data, score_completions, task_model
+from zero3_load import checkpoint_files, local_dir
 from zero3_utils import process_rank
 
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM = 2, 3, 4
@@ -478,6 +479,16 @@ def check_attn_implementation(name):
             "--attn_implementation flash_attention_2 runs on CUDA GPUs only and none is visible: "
             "use --attn_implementation sdpa"
         )
+
+
+def check_partitioned_loading(models):
+    """[(flag, path)]: each checkpoint loads under ZeRO-3 partitioned loading (zero3_load.py reads
+    safetensors weights only)."""
+    for flag, path in models:
+        try:
+            checkpoint_files(local_dir(path))
+        except (ValueError, OSError) as e:
+            raise RunError(f"{flag} {path}: {e}") from None
 
 
 def check_vllm(use_vllm, tensor_parallel_size, world):

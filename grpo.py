@@ -86,6 +86,7 @@ from checks import (
     check_global_batch,
     check_inputs,
     check_model_path,
+    check_partitioned_loading,
     check_vllm,
     entry_code,
     exit_process,
@@ -98,7 +99,7 @@ from memory import PRESETS, MemoryLedger, model_shape, print_estimate
 from runlog import RunLog
 from tasks import TASK_CHARS, batch_rows, reward_functions, score_completions
 from tiny_models import llama_config
-from zero3_load import load_model
+from zero3_load import is_stage3, load_model
 from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
@@ -464,6 +465,8 @@ def preflight(args, rank, world):
         f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} completions "
         f"per optimizer step, in micro-batches of {args.micro}",
     )
+    if args.partitioned_loading and is_stage3(ds_config):
+        check_partitioned_loading([("--model", model_path)])  # safetensors
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
         check_resume(
             os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS
@@ -673,7 +676,7 @@ def main(argv=None):
         attn_implementation=attn_implementation_for(model_path, args.attn_implementation),
     )
     # ZeRO-3: built partitioned, each rank reading only its shard (zero3_load.py); else whole
-    part = args.partitioned_loading
+    part = args.partitioned_loading and is_stage3(ds_config)
     model = load_model(
         AutoModelForCausalLM, model_path, ds_config=ds_config if part else None, **attn
     )
@@ -710,7 +713,7 @@ def main(argv=None):
         engine.enable_backward_allreduce = False
     ref = None
     if args.beta > 0 and not args.lora_r:
-        ref_ds = frozen_config(ds_config, args.ref_offload)  # a ZeRO-3 engine at any stage
+        ref_ds = frozen_config(ds_config, args.ref_offload)
         ref_model = load_model(
             AutoModelForCausalLM, model_path, ds_config=ref_ds if part else None, **attn
         )

@@ -95,6 +95,7 @@ from checks import (
     check_global_batch,
     check_inputs,
     check_model_path,
+    check_partitioned_loading,
     check_sequence_classifier,
     entry_code,
     exit_process,
@@ -434,6 +435,9 @@ def preflight(args, rank, world):
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if args.frozen_offload and stage != 3:
         raise RunError(f"--frozen_offload needs ZeRO-3 ({args.ds_config} has stage {stage})")
+    if args.partitioned_loading and stage == 3:  # safetensors
+        models = [("--model", model_path), ("--reward_model", args.reward_model)]
+        check_partitioned_loading([(flag, path) for flag, path in models if path])
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
         check_resume(
             os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS

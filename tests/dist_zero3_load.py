@@ -1,6 +1,6 @@
 """torchrun worker (2 CPU ranks): ZeRO-3 partitioned loading (zero3_load.load_model) against the
 full load every rank did before (from_pretrained, then DeepSpeed partitions), in one launch.
-Run by tests/test_zero3_load.py; argv: untied_lm tied_lm reward_model.
+Run by tests/test_zero3_load.py; argv: untied_lm tied_lm reward_model [family=model_dir ...].
 
 For each case the gathered parameters (zero3_utils.iter_full_params: names and values) must be
 identical, and each rank must hold only its own shard after loading. Rank 0 prints
@@ -10,6 +10,8 @@ identical, and each rank must hold only its own shard after loading. Rank 0 prin
   lora                          peft LoRA on the partitioned policy; merged weights equal
   critic_from_lm / critic_from_rm   ppo.build_critic: a body + zero head, a reward model's
   reward_model                  a sequence classifier, frozen
+  family_<name>                 each architecture of tiny_models.FAMILIES (Qwen2's qkv bias and
+                                tied embeddings, Gemma-2's norms, Phi-3's fused projections), frozen
 """
 
 import sys
@@ -113,6 +115,13 @@ def main():
     new = load_model(AutoModelForSequenceClassification, rm, ds_config=frozen_config(ds), **rm_kw)
     new = frozen_engine(new, ds)
     same("reward_model", full(old), full(new), rank)
+
+    for family, path in (a.split("=", 1) for a in sys.argv[4:]):
+        old = frozen_engine(AutoModelForCausalLM.from_pretrained(path, **kw), ds)
+        new = load_model(AutoModelForCausalLM, path, ds_config=frozen_config(ds), **kw)
+        new = frozen_engine(new, ds)
+        shard_only(f"family_{family}", new, world)
+        same(f"family_{family}", full(old), full(new), rank)
     dist.barrier()
 
 

@@ -2,16 +2,18 @@
 --attn_implementation's pre-flight check in both loops.
 
 - tests/dist_zero3_load.py (2 ranks): gathered parameters identical for an untied and a tied
-  causal LM (frozen and trained), LoRA on top, both critics of ppo.build_critic and a reward model;
-  each rank holds only its shard.
+  causal LM (frozen and trained), LoRA on top, both critics of ppo.build_critic, a reward model
+  and every architecture family of tiny_models.FAMILIES; each rank holds only its shard.
 - `bash run.sh grpo` (reference model, beta > 0) and `bash run.sh ppo` (a reward model that also
   initialises the critic, a reference model), one step each with --partitioned_loading True and
   False: the first step's metrics are equal.
 - --attn_implementation flash_attention_2 without flash-attn: exit 2 and how to install it.
+- Under ZeRO-3 a checkpoint without safetensors weights: exit 2 in the pre-flight.
 """
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
@@ -21,19 +23,22 @@ import torch
 import conftest
 from conftest import ROOT, train_rows
 from tasks import TASK_CHARS
-from tiny_models import build_tiny
+from tiny_models import FAMILIES, build_family, build_tiny
 
 # what the first step computed (timings and memory excluded: they differ run to run)
 GRPO_KEYS = ("reward", "reward_std", "loss", "entropy", "kl", "ratio", "clip_frac", "grad_norm")
 PPO_KEYS = ("reward", "reward_std", "kl", "entropy", "value_loss", "policy_loss", "grad_norm")
 
 
-def test_partitioned_load_equals_full_load(tiny_model, tiny_tied_model, tiny_reward_model):
-    proc = conftest.torchrun(
-        "tests/dist_zero3_load.py", tiny_model, tiny_tied_model, tiny_reward_model, timeout=900
-    )
+def test_partitioned_load_equals_full_load(
+    tiny_model, tiny_tied_model, tiny_reward_model, tmp_path
+):
+    families = [f"{f}={build_family(str(tmp_path / f), f)}" for f in FAMILIES]
+    models = (tiny_model, tiny_tied_model, tiny_reward_model)
+    proc = conftest.torchrun("tests/dist_zero3_load.py", *models, *families, timeout=900)
     cases = ("frozen_untied", "frozen_tied", "trained_tied", "lora")
     cases += ("critic_from_lm", "critic_from_rm", "reward_model")
+    cases += tuple(f"family_{f}" for f in FAMILIES)
     for case in cases:
         assert f"OK {case}\n" in proc.stdout, (case, proc.stdout[-3000:])
 
@@ -99,3 +104,26 @@ def test_flash_attention_unavailable_fails_in_preflight(algo):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "flash_attention_2" in proc.stderr
     assert "pip install flash-attn" in proc.stderr or "CUDA" in proc.stderr
+
+
+def test_preflight_refuses_non_safetensors_under_zero3(tiny_model, tmp_path):
+    """A .bin-only checkpoint: exit 2 under ZeRO-3 with partitioned loading (saying what to
+    change), accepted with --partitioned_loading False."""
+    from safetensors.torch import load_file
+
+    model = tmp_path / "bin_model"
+    shutil.copytree(tiny_model, model)
+    torch.save(load_file(str(model / "model.safetensors")), model / "pytorch_model.bin")
+    os.remove(model / "model.safetensors")
+
+    def preflight(*extra):
+        cmd = [sys.executable, "grpo.py", "--model", str(model), "--preflight", "True"]
+        cmd += ["--run_dir", str(tmp_path / "r"), "--prompts_per_rank", "2", *extra]
+        env = {**os.environ, "PYTHONPATH": ROOT, "WORLD_SIZE": "2"}
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+
+    proc = preflight()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "safetensors" in proc.stderr and "--partitioned_loading False" in proc.stderr
+    proc = preflight("--partitioned_loading", "False")
+    assert proc.returncode == 0, proc.stderr[-2000:]
