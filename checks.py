@@ -34,6 +34,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import importlib.util
 import io
 import json
 import logging
@@ -49,6 +50,7 @@ from batching import encode_prompts, stop_token_ids, template_kwargs
 from data import load_data, row_name
 from memory import is_out_of_memory
 from tasks import score_completions, task_model
+from zero3_load import checkpoint_files, local_dir
 from zero3_utils import process_rank
 
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM = 2, 3, 4
@@ -493,6 +495,41 @@ def long_prompt_warning(prompt_lengths, max_prompt_length):
         "goes). "
         f"Raise --max_prompt_length to keep them whole."
     )
+
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
+def check_attn_implementation(name):
+    """--attn_implementation is one transformers knows, and flash attention can load here (its
+    package, flash-attn, is installed and a CUDA GPU is present): not at the first forward."""
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise RunError(
+            f"--attn_implementation {name}: choose one of {', '.join(ATTN_IMPLEMENTATIONS)}"
+        )
+    if name != "flash_attention_2":
+        return
+    if importlib.util.find_spec("flash_attn") is None:
+        raise RunError(
+            "--attn_implementation flash_attention_2 needs the flash-attn package, which is not "
+            "installed: pip install flash-attn --no-build-isolation (CUDA GPUs; it builds against "
+            "the installed torch), or use --attn_implementation sdpa"
+        )
+    if not torch.cuda.is_available():
+        raise RunError(
+            "--attn_implementation flash_attention_2 runs on CUDA GPUs only and none is visible: "
+            "use --attn_implementation sdpa"
+        )
+
+
+def check_partitioned_loading(models):
+    """[(flag, path)]: each checkpoint loads under ZeRO-3 partitioned loading (zero3_load.py reads
+    safetensors weights only)."""
+    for flag, path in models:
+        try:
+            checkpoint_files(local_dir(path))
+        except (ValueError, OSError) as e:
+            raise RunError(f"{flag} {path}: {e}") from None
 
 
 def check_vllm(use_vllm, tensor_parallel_size, world):

@@ -39,8 +39,9 @@ template, stop ids, padded batches, micro-batch plans, collectives), runlog.py
 and OOM_HINTS' knob), checks.py (every input checked before a model loads, one message and an exit
 code per failure, non-finite steps skipped and a streak stopped), checkpoint.py (atomic checkpoints;
 --resume replays the same data, samples and metrics).
-Limits: every rank loads the full checkpoint before DeepSpeed partitions it (no zero.Init,
-which needs `accelerate`); the held-out score is one sampled completion per prompt.
+Under ZeRO-3 the policy and the reference are built already partitioned, each rank reading only
+its own shard of the checkpoint (zero3_load.py; --partitioned_loading False: the full load).
+Limits: the held-out score is one sampled completion per prompt.
 """
 
 import json
@@ -81,10 +82,12 @@ from checks import (
     RunError,
     StepGuard,
     arg,
+    check_attn_implementation,
     check_ds_config,
     check_global_batch,
     check_inputs,
     check_model_path,
+    check_partitioned_loading,
     check_vllm,
     entry_code,
     exit_process,
@@ -98,7 +101,8 @@ from memory import PRESETS, MemoryLedger, model_shape, print_estimate
 from runlog import RunLog
 from tasks import TASK_CHARS, reward_functions, score_completions
 from tiny_models import llama_config
-from zero3_utils import frozen_engine, load_ds_config, save_hf
+from zero3_load import is_stage3, load_model
+from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
 # --recipe NAME: a named set of defaults (--help lists them); a flag given on the command line wins.
@@ -326,6 +330,14 @@ class Args:
         ">= 0",
     )
     ref_offload: bool = arg(False, "keep the reference model's shards in CPU memory")
+    attn_implementation: str = arg(
+        "sdpa", "sdpa, eager or flash_attention_2 (needs flash-attn and a CUDA GPU)"
+    )
+    partitioned_loading: bool = arg(
+        True,
+        "ZeRO-3: build every model already partitioned, each rank reading only its shard of the "
+        "checkpoint (zero3_load.py); False: every rank loads the full checkpoint first",
+    )
     lora_r: int = arg(
         0,
         "> 0: train LoRA adapters of this rank only (peft); the reference is the policy with "
@@ -390,6 +402,7 @@ def parse_args(argv=None):
         raise RunError(
             "--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)"
         )
+    check_attn_implementation(args.attn_implementation)  # flash attention: installed?
     if args.report_to not in ("none", "wandb"):
         raise RunError("--report_to: none or wandb")
     if args.dtype not in ("auto", "bf16", "fp32"):
@@ -444,6 +457,7 @@ MEMORY_KNOBS = (
     "vllm_batch_size",
     "vllm_gpu_memory_utilization",
     "ref_offload",
+    "partitioned_loading",
     "max_bad_steps",
     "micro",
 )
@@ -468,6 +482,8 @@ def preflight(args, rank, world):
         f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} completions "
         f"per optimizer step, in micro-batches of {args.micro}",
     )
+    if args.partitioned_loading and is_stage3(ds_config):
+        check_partitioned_loading([("--model", model_path)])  # safetensors
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
         check_resume(
             os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS
@@ -671,8 +687,15 @@ def main(argv=None):
 
     # 2. models ------------------------------------------------------------------------------
     # eager for Gemma-2: sdpa drops its attention soft-cap, which vLLM applies
-    attn = dict(dtype=dtype, attn_implementation=attn_implementation_for(model_path))
-    model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
+    attn = dict(
+        dtype=dtype,
+        attn_implementation=attn_implementation_for(model_path, args.attn_implementation),
+    )
+    # ZeRO-3: built partitioned, each rank reading only its shard (zero3_load.py); else whole
+    part = args.partitioned_loading and is_stage3(ds_config)
+    model = load_model(
+        AutoModelForCausalLM, model_path, ds_config=ds_config if part else None, **attn
+    )
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if args.lora_r:  # only the adapters train; the reference needs no copy (adapters off)
@@ -706,11 +729,11 @@ def main(argv=None):
         engine.enable_backward_allreduce = False
     ref = None
     if args.beta > 0 and not args.lora_r:
-        ref = frozen_engine(
-            AutoModelForCausalLM.from_pretrained(model_path, **attn),
-            ds_config,
-            offload=args.ref_offload,
+        ref_ds = frozen_config(ds_config, args.ref_offload)
+        ref_model = load_model(
+            AutoModelForCausalLM, model_path, ds_config=ref_ds if part else None, **attn
         )
+        ref = frozen_engine(ref_model, ds_config, offload=args.ref_offload)
     vllm = None
     if args.use_vllm:
         vllm = VLLMGenerator(

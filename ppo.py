@@ -39,8 +39,10 @@ Shared with grpo.py: tasks.py (task, rewards), data.py (--data, data order), bat
 micro-batches, collectives), runlog.py (run files), memory.py (peak memory per phase, OOM_HINTS),
 checks.py (inputs checked up front, exit codes, non-finite steps), checkpoint.py (atomic
 checkpoints of actor and critic, resume); logprobs.model_logps scores padded and packed rows.
+Under ZeRO-3 all four models are built already partitioned, each rank reading only its own
+shard of the checkpoints (zero3_load.py; --partitioned_loading False: the full load).
 Limits: the reward model must share the actor's tokenizer (token ids are passed as they are);
-every rank loads full checkpoints before DeepSpeed partitions them; no vLLM path yet.
+no vLLM path yet.
 """
 
 import json
@@ -54,7 +56,12 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+)
 
 from batching import (
     all_cat,
@@ -83,10 +90,12 @@ from checks import (
     RunError,
     StepGuard,
     arg,
+    check_attn_implementation,
     check_ds_config,
     check_global_batch,
     check_inputs,
     check_model_path,
+    check_partitioned_loading,
     check_sequence_classifier,
     entry_code,
     exit_process,
@@ -99,7 +108,8 @@ from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps, 
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import RewardError, reward_functions, score_completions
-from zero3_utils import frozen_engine, gathered, load_ds_config, save_hf
+from zero3_load import load_model
+from zero3_utils import frozen_config, frozen_engine, gathered, load_ds_config, save_hf
 
 # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
 # memory)
@@ -292,7 +302,14 @@ class Args:
         f"fp32); 0: logprobs.py's {DEFAULT_CHUNK_SIZE}",
         ">= 0",
     )
-    attn_implementation: str = arg("sdpa", "sdpa, eager or flash_attention_2")
+    attn_implementation: str = arg(
+        "sdpa", "sdpa, eager or flash_attention_2 (needs flash-attn and a CUDA GPU)"
+    )
+    partitioned_loading: bool = arg(
+        True,
+        "ZeRO-3: build every model already partitioned, each rank reading only its shard of the "
+        "checkpoint (zero3_load.py); False: every rank loads the full checkpoint first",
+    )
     frozen_offload: bool = arg(
         False,
         "ZeRO-3: reference and reward model shards live in CPU memory",
@@ -335,8 +352,7 @@ class Args:
 def parse_args(argv=None):
     """Args, checked on their own (no file read yet); derived: funcs, weights, batch_size, micro."""
     args = parse_args_quietly(Args, argv)  # argparse's errors: exit 2; then each field's "range"
-    if args.attn_implementation not in ("sdpa", "eager", "flash_attention_2"):
-        raise RunError("--attn_implementation: sdpa, eager or flash_attention_2")
+    check_attn_implementation(args.attn_implementation)  # flash attention: installed?
     if args.report_to not in ("none", "wandb"):
         raise RunError("--report_to: none or wandb")
     if args.dtype not in ("auto", "bf16", "fp32"):
@@ -397,6 +413,7 @@ MEMORY_KNOBS = (
     "generation_batch_size",
     "gather_for_generation",
     "frozen_offload",
+    "partitioned_loading",
     "max_bad_steps",
     "micro",
 )
@@ -434,6 +451,9 @@ def preflight(args, rank, world):
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if args.frozen_offload and stage != 3:
         raise RunError(f"--frozen_offload needs ZeRO-3 ({args.ds_config} has stage {stage})")
+    if args.partitioned_loading and stage == 3:  # safetensors
+        models = [("--model", model_path), ("--reward_model", args.reward_model)]
+        check_partitioned_loading([(flag, path) for flag, path in models if path])
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
         check_resume(
             os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS
@@ -504,15 +524,16 @@ class Critic(torch.nn.Module):
         return self.value_head(hidden).squeeze(-1).float()  # (B, T)
 
 
-def build_critic(path, from_reward_model, dtype, attn_implementation):
+def build_critic(path, from_reward_model, dtype, attn_implementation, ds_config=None):
     """From a reward model: its body and its score head. From a causal LM: its body and a zero
-    value head (values start at 0, the body's features are trained by the value loss)."""
+    value head (values start at 0, the body's features are trained by the value loss). With a
+    ZeRO-3 ds_config the body (and score head) are built partitioned (zero3_load.load_model);
+    a new value head is partitioned by deepspeed.initialize."""
+    kw = dict(dtype=dtype, attn_implementation=attn_implementation, ds_config=ds_config)
     if from_reward_model:
-        rm = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
-        )
+        rm = load_model(AutoModelForSequenceClassification, path, num_labels=1, **kw)
         return Critic(getattr(rm, rm.base_model_prefix), rm.score)
-    body = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    body = load_model(AutoModel, path, **kw)
     head = torch.nn.Linear(body.config.hidden_size, 1, bias=False, dtype=dtype)
     torch.nn.init.zeros_(head.weight)
     return Critic(body, head)
@@ -761,28 +782,43 @@ def main(argv=None):
         dtype=dtype,
         attn_implementation=attn_implementation_for(model_path, args.attn_implementation),
     )
-    model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
-    critic = build_critic(args.reward_model or model_path, bool(args.reward_model), **attn)
+    # one DeepSpeed config per model: only the LR differs
+    hidden = AutoConfig.from_pretrained(model_path).hidden_size
+    actor_ds = deepspeed_config(args, world, hidden, dtype, args.learning_rate)
+    critic_ds = deepspeed_config(args, world, hidden, dtype, args.critic_learning_rate)
+    frozen_ds = deepspeed_config(args, world, hidden, dtype, 0.0)
+    # ZeRO-3: every model built partitioned, each rank reading only its shard (zero3_load.py)
+    part = args.partitioned_loading and stage == 3
+    model = load_model(
+        AutoModelForCausalLM, model_path, ds_config=actor_ds if part else None, **attn
+    )
+    critic = build_critic(
+        args.reward_model or model_path,
+        bool(args.reward_model),
+        ds_config=critic_ds if part else None,
+        **attn,
+    )
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         critic.body.gradient_checkpointing_enable()
     if args.lora_r:
         model = add_lora(model, critic, args)
-    hidden = model.config.hidden_size  # one DeepSpeed config per model: only the LR differs
-    engine = trained_engine(model, deepspeed_config(args, world, hidden, dtype, args.learning_rate))
-    critic_engine = trained_engine(
-        critic, deepspeed_config(args, world, hidden, dtype, args.critic_learning_rate)
-    )
-    frozen_ds = deepspeed_config(args, world, hidden, dtype, 0.0)
+    engine = trained_engine(model, actor_ds)
+    critic_engine = trained_engine(critic, critic_ds)
+    frozen_load = dict(ds_config=frozen_config(frozen_ds, args.frozen_offload) if part else None)
     ref = None
     # with LoRA the reference is the actor with adapters off
     if args.kl_coef > 0 and not args.lora_r:
-        ref_model = AutoModelForCausalLM.from_pretrained(model_path, **attn)
+        ref_model = load_model(AutoModelForCausalLM, model_path, **frozen_load, **attn)
         ref = frozen_model(ref_model, frozen_ds, stage, args.frozen_offload, device)
     reward_model = None
     if args.reward_model:
-        rm = AutoModelForSequenceClassification.from_pretrained(
-            args.reward_model, num_labels=1, **attn
+        rm = load_model(
+            AutoModelForSequenceClassification,
+            args.reward_model,
+            num_labels=1,
+            **frozen_load,
+            **attn,
         )
         reward_model = frozen_model(rm, frozen_ds, stage, args.frozen_offload, device)
 

@@ -20,6 +20,7 @@ Public API
                                                        most max_numel elements (or one parameter)
                                                        at a time
     save_hf(engine_or_model, tokenizer, path)          consolidated HF checkpoint, written by rank 0
+    frozen_config(ds_config, offload=False)            a frozen model's DeepSpeed config (ZeRO-3)
     frozen_engine(model, ds_config, offload=False)     reference/reward model, a ZeRO-3 inference
                                                        engine
     load_ds_config(path_or_dict, world_size=None, hidden_size=None, **overrides) -> dict
@@ -331,13 +332,10 @@ def save_hf(engine_or_model, tokenizer, path, max_shard_bytes=2 * 2**30):
 
 
 # ---------------------------------------------------------------- engines and configs
-def frozen_engine(model, ds_config, offload=False):
-    """A frozen model (reference, reward) as a ZeRO-3 inference engine, sharded across ranks.
-
-    ds_config: the training config (dict or path); its optimizer/scheduler are dropped and ZeRO
-    stage 3 is forced. offload=True keeps the parameter partitions in CPU memory (fetched to the
-    device layer by layer). Returns the engine in eval mode with requires_grad off.
-    """
+def frozen_config(ds_config, offload=False):
+    """The DeepSpeed config of a frozen model (reference, reward): the training config (dict or
+    path) without optimizer and scheduler, ZeRO stage 3, the parameter partitions in CPU memory
+    with offload=True (fetched to the device layer by layer)."""
     cfg = copy.deepcopy(
         load_ds_config(ds_config) if isinstance(ds_config, (str, os.PathLike)) else ds_config
     )
@@ -356,8 +354,18 @@ def frozen_engine(model, ds_config, offload=False):
             f'frozen_engine: ds_config still has "auto" at {leftover}; pass it through '
             "load_ds_config first"
         )
+    return cfg
+
+
+def frozen_engine(model, ds_config, offload=False):
+    """A frozen model (reference, reward) as a ZeRO-3 inference engine, sharded across ranks.
+
+    ds_config: the training config (dict or path), made a frozen one by frozen_config. A model
+    built partitioned (zero3_load.load_model with frozen_config(ds_config, offload)) stays as it
+    is. Returns the engine in eval mode with requires_grad off.
+    """
     model.requires_grad_(False)
-    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    engine, *_ = deepspeed.initialize(model=model, config=frozen_config(ds_config, offload))
     engine.eval()
     return engine
 
