@@ -244,6 +244,11 @@ def fit_to_budget(args, loop, world, say=print):
             )
     args.micro = min(getattr(args, MICRO[loop]), args.batch_size)  # the loops' derived value
     est = estimate_memory(**kw)
+    if runtime and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        say(
+            "note: on CPU glibc keeps freed blocks in the resident set; with "
+            "MALLOC_MMAP_THRESHOLD_=65536 a lowered knob shows in the next step's measured peaks"
+        )
     say(
         f"memory budget {args.memory_budget_gb} GB (phases fitted under {HIGH_WATER:.0%}"
         + (f", incl. {runtime / GB:.2f} GB runtime RSS" if runtime else "")
