@@ -11,6 +11,8 @@ completion, rollouts to a padded batch, micro-batches (padded or packed into one
         if weight:                               # idx: mb's rows in batch, to write results back
             out[idx, : mb["logits_to_keep"]] = ...
     ids, pos, where = pack(mb)                   # packed: (1, N) ids and positions; unpack(out, cm)
+    lp = forward_logps(model, mb, 1.0, packing, device)  # (b, c) padded or packed, the same values
+    groups = mini_batch_plans(batch, 2, 8)       # PPO: a plan per mini-batch (rows fixed by count)
     (total,) = all_sum([local_count])            # float64 sum over ranks, on the backend's device
 
 Letters in shape comments: B sequences on this rank, b in a micro-batch, P prompt tokens, C
@@ -20,7 +22,8 @@ every prompt ends and every completion starts at column P.
 
 Collectives put their tensors where the process group's backend needs them (`comm_device`: the
 current GPU under NCCL, the CPU under gloo), so the same loop runs on both. Imports zero3_utils
-(comm_device, all_max: the helpers generation.py shares).
+(comm_device, all_max: the helpers generation.py shares) and logprobs (model_logps, for
+forward_logps: a micro-batch scored padded or packed, shared by both loops).
 """
 
 import json
@@ -29,6 +32,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from logprobs import model_logps
 from zero3_utils import all_max, comm_device
 
 
@@ -152,6 +156,20 @@ def plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch=0):
     return plan + [None] * (all_max(len(plan)) - len(plan))
 
 
+def mini_batch_plans(batch, num_mini_batches, micro_batch_size, max_tokens_per_microbatch=0):
+    """PPO's mini-batches: rows split into `num_mini_batches` contiguous chunks first, then each
+    chunk planned by count or token budget (plan_micro_batches, ranks agree on each). Which rows
+    share an optimizer step so depends only on num_mini_batches, never on the micro-batch knobs:
+    they change memory and speed, not the update."""
+    B = batch["input_ids"].shape[0]
+    plans = []
+    for rows in torch.arange(B).chunk(num_mini_batches):
+        sub = {k: batch[k][rows] for k in ("input_ids", "attention_mask")}
+        plan = plan_micro_batches(sub, micro_batch_size, max_tokens_per_microbatch)
+        plans.append([None if idx is None else rows[idx] for idx in plan])
+    return plans
+
+
 def micro_batches(batch, plan):
     """Yield (idx, micro-batch, weight) for each entry of `plan`: its rows `idx`, micro_slice(batch,
     idx) and weight 1.0. A None entry (this rank has fewer micro-batches than another) yields the
@@ -201,6 +219,31 @@ def pack(mb):
         where.append(torch.arange(offset + L - n_c - 1, offset + L - 1))
         offset += L
     return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(where)
+
+
+def forward_logps(model, mb, temperature, packing, device, return_entropy=False, chunk_size=0):
+    """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed
+    (one row, positions restarting per sequence: the same values, no padded tokens computed).
+    chunk_size: tokens per fused log-prob tile (0: logprobs.py's default)."""
+    kw = dict(temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size)
+    if not packing:
+        return model_logps(
+            model,
+            mb["input_ids"].to(device),
+            mb["attention_mask"].to(device),
+            mb["logits_to_keep"],
+            **kw,
+        )  # (b, c)
+    ids, pos, where = pack(mb)  # (1, N), (1, N), (M,)
+    out = model_logps(
+        model, ids.to(device), None, ids.shape[1] - 1, position_ids=pos.to(device), **kw
+    )  # (1, N - 1): token j + 1 at j
+    cm, where = mb["completion_mask"], where.to(device)
+    return (
+        (unpack(out[0][0, where], cm), unpack(out[1][0, where], cm))
+        if return_entropy
+        else unpack(out[0, where], cm)
+    )  # (b, c)
 
 
 def unpack(flat, completion_mask):

@@ -34,11 +34,12 @@ backend (the CPU one too) and need no enable_lora / max_lora_rank sizing; the pr
 stream per step, as in full fine-tuning. The final model is saved merged, as a plain model.
 Shared with ppo.py, one file each: tasks.py (the built-in task, reward functions), data.py (--data
 through datasets, conversations, the data order), batching.py (prompt ids through the chat
-template, stop ids, padded batches, micro-batch plans, collectives), runlog.py
-(metrics.jsonl, wandb, curves.png), memory.py (peak memory per phase; out of memory names the phase
-and OOM_HINTS' knob), checks.py (every input checked before a model loads, one message and an exit
-code per failure, non-finite steps skipped and a streak stopped), checkpoint.py (atomic checkpoints;
---resume replays the same data, samples and metrics).
+template, stop ids, padded batches, micro-batch plans, packing, collectives),
+runlog.py (metrics.jsonl, wandb, curves.png), memory.py (peak memory per phase; out of memory
+names the phase and OOM_HINTS' knob), fit.py (--estimate_memory, --memory_budget_gb), checks.py
+(every input checked before a model loads, one message and an exit code per failure, non-finite
+steps skipped and a streak stopped), checkpoint.py (atomic checkpoints; --resume replays the same
+data, samples and metrics).
 Under ZeRO-3 the policy and the reference are built already partitioned, each rank reading only
 its own shard of the checkpoint (zero3_load.py; --partitioned_loading False: the full load).
 Limits: the held-out score is one sampled completion per prompt.
@@ -62,6 +63,7 @@ from batching import (
     all_cat,
     all_sum,
     encode_prompts,
+    forward_logps,
     init_distributed,
     make_batch,
     micro_batches,
@@ -86,21 +88,19 @@ from checks import (
     check_ds_config,
     check_global_batch,
     check_inputs,
-    check_model_path,
     check_partitioned_loading,
     check_vllm,
     entry_code,
     exit_process,
     parse_args_quietly,
-    read_ds_json,
 )
 from data import batch_rows
+from fit import KnobAdapter, estimate_run_memory, fit_to_budget
 from generation import VLLMGenerator, attn_implementation_for, generate_hf, unwrap_for_generation
-from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps
-from memory import PRESETS, MemoryLedger, model_shape, print_estimate
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
+from memory import MemoryLedger
 from runlog import RunLog
-from tasks import TASK_CHARS, reward_functions, score_completions
-from tiny_models import llama_config
+from tasks import reward_functions, score_completions
 from zero3_load import is_stage3, load_model
 from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
 
@@ -126,11 +126,11 @@ OOM_HINTS = {
     "(layer by layer; --generation_resident_gb between the two); vLLM: lower --vllm_batch_size "
     "or --vllm_gpu_memory_utilization; or a shorter --max_completion_length",
     "old_logprobs": "lower --per_device_train_batch_size or set --max_tokens_per_microbatch; "
-    "lower --logprob_chunk_size (tokens per log-prob tile)",
+    "lower --logprob_chunk_size (tokens per log-prob tile); --packing True",
     "ref_logprobs": "lower --per_device_train_batch_size or set --max_tokens_per_microbatch; "
     "--ref_offload True keeps the reference model's shards in CPU memory",
     "update": "--gradient_checkpointing True, lower --per_device_train_batch_size or set "
-    "--max_tokens_per_microbatch, lower --logprob_chunk_size",
+    "--max_tokens_per_microbatch, lower --logprob_chunk_size, --packing True",
     "optimizer_step": "offload the optimizer states (configs/zero3_offload.json) or use more GPUs "
     "(ZeRO shards them)",
 }
@@ -338,6 +338,7 @@ class Args:
         "ZeRO-3: build every model already partitioned, each rank reading only its shard of the "
         "checkpoint (zero3_load.py); False: every rank loads the full checkpoint first",
     )
+    packing: bool = arg(False, "micro-batches as one row, no padding")
     lora_r: int = arg(
         0,
         "> 0: train LoRA adapters of this rank only (peft); the reference is the policy with "
@@ -374,6 +375,12 @@ class Args:
         False,
         "print memory.py's per-phase, per-GPU estimate for these args (WORLD_SIZE from env) and "
         "exit",
+    )
+    memory_budget_gb: float = arg(
+        0.0,
+        "> 0: the pre-flight fits the memory knobs under this many GB per rank (CPU: process RSS) "
+        "and the run adapts micro-batches and log-prob tiles between steps (fit.py); 0: off",
+        ">= 0",
     )
     preflight: bool = arg(
         False,
@@ -459,6 +466,7 @@ MEMORY_KNOBS = (
     "ref_offload",
     "partitioned_loading",
     "max_bad_steps",
+    "memory_budget_gb",
     "micro",
 )
 
@@ -472,6 +480,8 @@ def preflight(args, rank, world):
     check_new_run(args.run_dir, args.resume, args.overwrite)
     # data, model, rewards
     train_rows, eval_rows, model_path, config, tokenizer = check_inputs(args, rank)
+    # --memory_budget_gb: the knobs set on args before the DeepSpeed JSON reads args.micro
+    fit_to_budget(args, "grpo", world, print if rank == 0 else lambda *a, **k: None)
     cuda = torch.cuda.is_available()
     dtype = (
         torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
@@ -530,12 +540,12 @@ def batch_logps(model, batch, plan, args, device):
     step."""
     out = torch.zeros(batch["completion_mask"].shape, dtype=torch.float32)  # (B, C)
     for idx, mb, weight in micro_batches(batch, plan):
-        lp = model_logps(
+        lp = forward_logps(
             model,
-            mb["input_ids"].to(device),
-            mb["attention_mask"].to(device),
-            mb["logits_to_keep"],
-            temperature=args.temperature,
+            mb,
+            args.temperature,
+            args.packing,  # one row without padding: the same values
+            device,
             chunk_size=args.logprob_chunk_size,  # 0: logprobs.py's default
         )  # (b, c)
         if weight:
@@ -560,12 +570,12 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
             engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
             # through engine.forward, not engine.module: ZeRO-3 counts micro-steps there, and
             # without that count every backward overwrites (not accumulates) the gradient partitions
-            logps, entropy = model_logps(
+            logps, entropy = forward_logps(
                 engine,
-                mb["input_ids"].to(device),
-                mb["attention_mask"].to(device),
-                mb["logits_to_keep"],
-                temperature=args.temperature,
+                mb,
+                args.temperature,
+                args.packing,  # one row without padding: the same values
+                device,
                 return_entropy=True,
                 chunk_size=args.logprob_chunk_size,  # 0: logprobs.py's default
             )  # (b, c)
@@ -615,64 +625,10 @@ def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
 
 # ---- The loop --------------------------------------------------------------------------------
 # Glue kept parallel with ppo.py's on purpose (README, Files): change both together.
-def estimate_run_memory(args):
-    """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args, no
-    weights loaded."""
-    if not args.model:  # the built-in task's tiny model (tasks.task_model)
-        config = llama_config(len(TASK_CHARS) + 4, hidden_size=128, num_layers=2).to_dict()
-    # a preset, a model directory or a config.json
-    elif (
-        args.model.lower() in PRESETS
-        or os.path.isfile(os.path.join(args.model, "config.json"))
-        or os.path.isfile(args.model)
-    ):
-        config = args.model
-    else:  # a cached hub id (its config, no weights needed), or a path that is not there
-        try:
-            config = check_model_path(args.model, need_weights=False)
-        except RunError as e:
-            raise RunError(
-                f"{e}; --estimate_memory also takes a config.json or a preset: {', '.join(PRESETS)}"
-            ) from None
-    try:
-        model_shape(config)  # a config.json that is not JSON, or lacks the sizes the estimate needs
-    except (ValueError, OSError) as e:
-        raise RunError(f"--estimate_memory --model {args.model}: {e}") from None
-    ds = read_ds_json(args.ds_config)  # readable, an object, a supported ZeRO set-up
-    zero, cuda = ds.get("zero_optimization", {}), torch.cuda.is_available()
-    S = args.max_prompt_length + args.max_completion_length
-    micro = min(args.per_device_train_batch_size, args.batch_size)
-    return print_estimate(
-        config,
-        torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 80.0,
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        zero_stage=zero.get("stage", 0),
-        offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") != "none",
-        offload_params=zero.get("offload_param", {}).get("device", "none") != "none",
-        dtype="bf16" if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else "fp32",
-        gradient_checkpointing=args.gradient_checkpointing,
-        seq_len=S,
-        completion_len=args.max_completion_length,
-        micro_batch_size=max(1, args.max_tokens_per_microbatch // S)
-        if args.max_tokens_per_microbatch
-        else micro,
-        num_generations=args.num_generations,
-        prompts_per_rank=args.prompts_per_rank,
-        use_vllm=args.use_vllm,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        gather_for_generation=args.gather_for_generation,
-        generation_batch_size=args.generation_batch_size,
-        reference_model=args.beta > 0,
-        ref_offload=args.ref_offload,
-        logprob_chunk=(args.logprob_chunk_size or DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE),
-        fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False),
-    )
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.estimate_memory:  # pre-flight: no process group, no weights
-        return estimate_run_memory(args)
+        return estimate_run_memory(args, "grpo")
     if args.preflight:  # run.sh: once, in one process, before torchrun starts the ranks
         preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)))
         return print(f"preflight: {args.ds_config}, data, model, tokenizer and rewards are fine")
@@ -781,6 +737,7 @@ def main(argv=None):
     ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
     # skipped non-finite steps: counted, and a stop after a few in a row
     guard = StepGuard(args.max_bad_steps)
+    adapter = KnobAdapter(args, "grpo")  # --memory_budget_gb: update-neutral knobs between steps
     t_start = time.time()
     first = float("nan")  # on resume the first held-out score is already in metrics.jsonl
     if args.num_eval_prompts and not args.resume:
@@ -864,6 +821,9 @@ def main(argv=None):
         lengths = gens.completion_mask.sum(1).float()  # (B,)
         seq_stats = all_cat(torch.stack([rewards, lengths, *per_func.values()], 1))
         dt, mem_line = time.time() - t0, ledger.line()
+        knob_changes = adapter.after_step(
+            ledger.step, step + 1
+        )  # a collective; before step_metrics
         row = {
             "step": step + 1,
             "reward": seq_stats[:, 0].mean().item(),
@@ -897,6 +857,12 @@ def main(argv=None):
         if args.vllm_importance_cap > 0:
             row["vllm_is_ratio"] = is_ratio_sums[0] / is_ratio_sums[1]
         log.record(row)
+        for change in knob_changes:  # for the next step
+            log.record(change)
+            say(
+                f"fit: {change['fit/knob']} {change['fit/from']} -> {change['fit/to']}: "
+                f"{change['fit/reason']}"
+            )
         bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}")
         if rank == 0:
             bar.write(

@@ -298,11 +298,21 @@ def estimate_memory(
     ref_offload=False,
     zero3_live_params=1e9,
     fused_adam=False,
+    generation_resident_bytes=0,
+    critic_config=None,
+    reward_config=None,
+    loop="grpo",
 ):
-    """Predicted peak bytes per GPU for each GRPO phase, and the pieces they are made of.
+    """Predicted peak bytes per GPU for each phase of the loop, and the pieces they are made of.
 
     seq_len S: prompt + completion tokens per sequence (padded length); completion_len C;
     micro_batch_size m in sequences; logprob_chunk (tokens, vocab entries) of fused_logps' tile.
+    generation_resident_bytes: ZeRO-3 sharded generation's middle mode (layers kept gathered).
+    PPO (loop="ppo"): critic_config, a trained critic (its body: the config's model without the
+    lm_head; params, grads and Adam states like the actor's); reward_config, a frozen reward
+    model (sharded like the reference, on CPU with ref_offload = --frozen_offload); phases are
+    ppo.py's ledger's: rollout, logprobs (old, reference, values, rewards), update (with the
+    optimizer steps).
     Returns {"phases": {phase: bytes}, "pieces": {piece: bytes}, "cpu": offloaded bytes per rank,
     "highest": phase, "params": N}.
     """
@@ -328,6 +338,17 @@ def estimate_memory(
     opt = (12 if mixed else 8) * N // (W if zero_stage >= 1 else 1)
     p["optimizer"] = 0 if offload_optimizer else opt
     p["reference"] = 0 if not reference_model or ref_offload else N * b // W
+    critic_n = 0
+    if critic_config is not None:  # the body without the lm_head, plus a (H, 1) value head
+        c = model_shape(critic_config)
+        critic_n = c["N"] - (0 if c["tied"] else c["embed_params"]) + c["H"]
+    p["critic"] = (
+        critic_n * b // (W if zero_stage == 3 else 1)
+        + critic_n * b // (W if zero_stage >= 2 else 1)
+        + (0 if offload_optimizer else (12 if mixed else 8) * critic_n // (W if zero_stage else 1))
+    )
+    reward_n = model_shape(reward_config)["N"] if reward_config is not None else 0
+    p["reward_model"] = 0 if ref_offload else reward_n * b // (W if zero_stage == 3 else 1)
     vllm_share = int(gpu_memory_utilization * device_gb * GB) if use_vllm else 0
     # working sets
     largest = max(s["layer_params"], s["embed_params"])
@@ -348,9 +369,8 @@ def estimate_memory(
     seqs = min(generation_batch_size, prompts_per_rank * num_generations)
     p["kv_cache"] = 2 * L * s["k"] * s["d"] * b * seqs * seq_len
     p["generation_logits"] = 3 * seqs * V * 4
-    p["generation_params"] = (
-        (N * b if gather_for_generation else p["zero3_live"]) if zero_stage == 3 else 0
-    )
+    held = max(p["zero3_live"], min(N * b, generation_resident_bytes))  # middle mode: resident
+    p["generation_params"] = (N * b if gather_for_generation else held) if zero_stage == 3 else 0
     p["fp32_grad_partition"] = (
         0 if (offload_optimizer or not mixed) else 4 * N // (W if zero_stage >= 1 else 1)
     )
@@ -360,7 +380,9 @@ def estimate_memory(
     stepped = largest if zero_stage == 0 else N // W if zero_stage < 3 else min(N // W, 10**9)
     p["adam_temporaries"] = 0 if offload_optimizer or fused_adam else 2 * 4 * stepped
     p["vllm"] = vllm_share
-    resident = p["params"] + p["grads"] + p["optimizer"] + p["reference"]
+    resident = (
+        p["params"] + p["grads"] + p["optimizer"] + p["reference"] + p["critic"] + p["reward_model"]
+    )
     # level-1 sleep frees vLLM's weights and KV cache on GPU
     v_train = 0 if vllm_sleep else vllm_share
     phases = {}
@@ -385,10 +407,17 @@ def estimate_memory(
         + (bucket if zero_stage >= 2 else 0)
     )
     phases["optimizer_step"] = resident + v_train + p["fp32_grad_partition"] + p["adam_temporaries"]
+    if loop == "ppo":  # ppo.py's ledger: one scoring phase, the optimizer steps inside the update
+        phases = {
+            "rollout": phases["rollout"],
+            "logprobs": phases["old_logprobs"],
+            "update": max(phases["update"], phases["optimizer_step"]),
+        }
     # states + fp32 grads
     cpu = (opt if offload_optimizer else 0) + (4 * N // W if offload_optimizer else 0)
     cpu += N * b // W if offload_params else 0
     cpu += N * b // W if reference_model and ref_offload else 0
+    cpu += reward_n * b // W if ref_offload else 0
     return {
         "phases": phases,
         "pieces": p,

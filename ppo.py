@@ -37,8 +37,9 @@ Departures from the paper (InstructGPT / "Fine-Tuning LMs from Human Preferences
   or variable-length kernels (flash attention), so no token attends across sequences.
 Shared with grpo.py: tasks.py (task, rewards), data.py (--data, data order), batching.py (batches,
 micro-batches, collectives), runlog.py (run files), memory.py (peak memory per phase, OOM_HINTS),
-checks.py (inputs checked up front, exit codes, non-finite steps), checkpoint.py (atomic
-checkpoints of actor and critic, resume); logprobs.model_logps scores padded and packed rows.
+fit.py (--estimate_memory, --memory_budget_gb), checks.py (inputs checked up front, exit codes,
+non-finite steps), checkpoint.py (atomic checkpoints of actor and critic, resume);
+logprobs.model_logps scores padded and packed rows.
 Under ZeRO-3 all four models are built already partitioned, each rank reading only its own
 shard of the checkpoints (zero3_load.py; --partitioned_loading False: the full load).
 Limits: the reward model must share the actor's tokenizer (token ids are passed as they are);
@@ -68,9 +69,11 @@ from batching import (
     all_sum,
     comm_device,
     encode_prompts,
+    forward_logps,
     init_distributed,
     make_batch,
     micro_batches,
+    mini_batch_plans,
     pack,
     plan_micro_batches,
     unpack,
@@ -103,8 +106,9 @@ from checks import (
     parse_args_quietly,
 )
 from data import batch_rows
+from fit import KnobAdapter, estimate_run_memory, fit_to_budget
 from generation import attn_implementation_for, generate_hf, unwrap_for_generation
-from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps, positions_from_mask
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import RewardError, reward_functions, score_completions
@@ -114,13 +118,14 @@ from zero3_utils import frozen_config, frozen_engine, gathered, load_ds_config, 
 # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
 # memory)
 OOM_HINTS = {
-    "rollout": "lower --generation_batch_size, or --gather_for_generation False (layer by layer), "
-    "or a shorter --max_completion_length",
-    "logprobs": "lower --micro_train_batch_size or --logprob_chunk_size (tokens per log-prob "
-    "tile); --frozen_offload True keeps the reference and reward shards in CPU memory; "
-    "--packing True",
-    "update": "--gradient_checkpointing True, lower --micro_train_batch_size or "
-    "--logprob_chunk_size, --packing True; for the optimizer states: "
+    "rollout": "lower --generation_batch_size, or --gather_for_generation False (layer by layer; "
+    "--generation_resident_gb between the two), or a shorter --max_completion_length",
+    "logprobs": "lower --micro_train_batch_size or set --max_tokens_per_microbatch; lower "
+    "--logprob_chunk_size (tokens per log-prob tile); --frozen_offload True keeps the reference "
+    "and reward shards in CPU memory; --packing True",
+    "update": "--gradient_checkpointing True, lower --micro_train_batch_size or set "
+    "--max_tokens_per_microbatch, lower --logprob_chunk_size, --packing True; for the optimizer "
+    "states: "
     "configs/zero3_offload.json, --lora_r 16",
 }
 
@@ -271,6 +276,11 @@ class Args:
         True,
         "ZeRO-3: gather to generate (fast); False: sharded, layer by layer (fits)",
     )
+    generation_resident_gb: float = arg(
+        0.0,
+        "with gather_for_generation False: keep this many GB of layers gathered (middle mode)",
+        ">= 0",
+    )
     generation_batch_size: int = arg(256, "HF generate: sequences per call", ">= 1")
     # rewards, advantages, losses and the update
     kl_coef: float = arg(
@@ -294,6 +304,11 @@ class Args:
         ">= 1",
     )
     micro_train_batch_size: int = arg(64, "sequences per micro-batch (forward/backward)", ">= 1")
+    max_tokens_per_microbatch: int = arg(
+        0,
+        "> 0: micro-batches by padded-token budget (length-sorted), not by count",
+        ">= 0",
+    )
     # memory
     gradient_checkpointing: bool = arg(False, "recompute activations in backward")
     logprob_chunk_size: int = arg(
@@ -342,6 +357,17 @@ class Args:
     )
     save_model: bool = arg(True, "write the final HF actor to <run_dir>/final")
     report_to: str = arg("none", "none or wandb (offline unless WANDB_MODE is set)")
+    estimate_memory: bool = arg(
+        False,
+        "print memory.py's per-phase, per-GPU estimate for these args (WORLD_SIZE from env) and "
+        "exit",
+    )
+    memory_budget_gb: float = arg(
+        0.0,
+        "> 0: the pre-flight fits the memory knobs under this many GB per rank (CPU: process RSS) "
+        "and the run adapts micro-batches and log-prob tiles between steps (fit.py); 0: off",
+        ">= 0",
+    )
     preflight: bool = arg(
         False,
         "check data, models, tokenizer, rewards, DeepSpeed JSON and resume (WORLD_SIZE from "
@@ -408,13 +434,16 @@ def deepspeed_config(args, world, hidden_size, dtype, lr):
 # so a run that ran out of memory can be resumed with one of them turned.
 MEMORY_KNOBS = (
     "micro_train_batch_size",
+    "max_tokens_per_microbatch",
     "logprob_chunk_size",
     "gradient_checkpointing",
     "generation_batch_size",
     "gather_for_generation",
+    "generation_resident_gb",
     "frozen_offload",
     "partitioned_loading",
     "max_bad_steps",
+    "memory_budget_gb",
     "micro",
 )
 
@@ -437,6 +466,8 @@ def preflight(args, rank, world):
                 "loop "
                 "passes token ids as they are: use a reward model trained on the actor's tokenizer"
             )
+    # --memory_budget_gb: the knobs set on args before the DeepSpeed JSON reads args.micro
+    fit_to_budget(args, "ppo", world, print if rank == 0 else lambda *a, **k: None)
     cuda = torch.cuda.is_available()
     dtype = (
         torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
@@ -464,7 +495,11 @@ def preflight(args, rank, world):
 # ---- Rollout: generate, score (batching.py encodes and pads, tasks.py has the rule rewards) ------
 def generate(engine, tokenizer, prompt_ids, args, num_generations):
     """G completions of each prompt, prompt-major, from the actor (HF generate)."""
-    with unwrap_for_generation(engine, gather=args.gather_for_generation) as model:
+    with unwrap_for_generation(
+        engine,
+        gather=args.gather_for_generation,
+        resident_bytes=int(args.generation_resident_gb * 2**30),
+    ) as model:
         return generate_hf(
             model,
             prompt_ids,
@@ -604,30 +639,6 @@ def rollout_scorers(actor, critic, ref, args, device):
     return scorers
 
 
-def forward_logps(model, mb, temperature, packing, device, return_entropy=False, chunk_size=0):
-    """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed.
-    chunk_size: tokens per fused log-prob tile (0: logprobs.py's default)."""
-    kw = dict(temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size)
-    if not packing:
-        return model_logps(
-            model,
-            mb["input_ids"].to(device),
-            mb["attention_mask"].to(device),
-            mb["logits_to_keep"],
-            **kw,
-        )  # (b, c)
-    ids, pos, where = pack(mb)  # (1, N), (1, N), (M,)
-    out = model_logps(
-        model, ids.to(device), None, ids.shape[1] - 1, position_ids=pos.to(device), **kw
-    )  # (1, N - 1): token j + 1 at j
-    cm, where = mb["completion_mask"], where.to(device)
-    return (
-        (unpack(out[0][0, where], cm), unpack(out[1][0, where], cm))
-        if return_entropy
-        else unpack(out[0, where], cm)
-    )  # (b, c)
-
-
 def forward_values(critic, mb, packing, device):
     """(b, c) values of the states before each completion token, padded or packed."""
     if not packing:
@@ -661,9 +672,11 @@ def rollout_forwards(scorers, batch, plan):
     return out
 
 
-def train_on_batch(actor, critic, batch, plan, args, device):
-    """ppo_epochs passes; each pass: num_mini_batches groups of micro-batches, forward/backward each
-    (actor: clipped policy loss, critic: clipped value loss), then ONE optimizer step per model.
+def train_on_batch(actor, critic, batch, args, device):
+    """ppo_epochs passes; each pass: num_mini_batches groups of micro-batches (batching.
+    mini_batch_plans: the rows of a mini-batch do not depend on the micro-batch knobs),
+    forward/backward each (actor: clipped policy loss, critic: clipped value loss), then ONE
+    optimizer step per model.
 
     Each micro-batch loss is divided by its mini-batch's token count over all ranks. DeepSpeed
     divides each loss by gradient_accumulation_steps and averages gradients over ranks: we turn
@@ -671,8 +684,9 @@ def train_on_batch(actor, critic, batch, plan, args, device):
     mini-batch loss, however it is split (the same scheme as grpo.py's train_on_batch).
     """
     world = actor.dp_world_size
-    per = math.ceil(len(plan) / args.num_mini_batches)
-    groups = [plan[i : i + per] for i in range(0, len(plan), per)]  # the same on every rank
+    groups = mini_batch_plans(
+        batch, args.num_mini_batches, args.micro, args.max_tokens_per_microbatch
+    )  # the same number of groups and micro-batches on every rank
     sums, n_updates = {}, args.ppo_epochs * len(groups)
     for _ in range(args.ppo_epochs):
         for group in groups:
@@ -764,6 +778,8 @@ def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
 # Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
 def main(argv=None):
     args = parse_args(argv)
+    if args.estimate_memory:  # pre-flight: no process group, no weights
+        return estimate_run_memory(args, "ppo")
     if args.preflight:  # run.sh: once, in one process, before torchrun starts the ranks
         preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)))
         return print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
@@ -867,6 +883,7 @@ def main(argv=None):
     ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
     # skipped non-finite steps: counted, and a stop after a few in a row
     guard = StepGuard(args.max_bad_steps)
+    adapter = KnobAdapter(args, "ppo")  # --memory_budget_gb: update-neutral knobs between steps
     stop = StopOnSignal()  # SIGTERM / Ctrl-C from here on: finish the step, checkpoint it, exit 5
     for step in bar:
         t0 = time.time()
@@ -880,7 +897,7 @@ def main(argv=None):
             gens = generate(engine, tokenizer, prompt_ids, args, G)
             completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
             batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
-            plan = plan_micro_batches(batch, args.micro)
+            plan = plan_micro_batches(batch, args.micro, args.max_tokens_per_microbatch)
             # (B,)
             scores, per_func = score(args, rows, completions, G, batch, plan, reward_model, device)
         t_rollout = time.time() - t0
@@ -904,7 +921,7 @@ def main(argv=None):
         # 6. update: ppo_epochs x mini-batches, micro-batches with accumulation ---------------
         t1 = time.time()
         with ledger.phase("update"):
-            sums = train_on_batch(engine, critic_engine, batch, plan, args, device)
+            sums = train_on_batch(engine, critic_engine, batch, args, device)
         t_update = time.time() - t1
 
         # 7. logging and saving --------------------------------------------------------------
@@ -926,6 +943,9 @@ def main(argv=None):
         # (world * B, 2 + F), every rank's sequences: score, completion length, each function
         seq_stats = all_cat(torch.stack([scores, mask.sum(1).float(), *per_func.values()], 1))
         dt = time.time() - t0
+        knob_changes = adapter.after_step(
+            ledger.step, step + 1
+        )  # a collective; before step_metrics
         row = {
             "step": step + 1,
             "reward": seq_stats[:, 0].mean().item(),
@@ -957,6 +977,12 @@ def main(argv=None):
         if per_func:
             row["accuracy"] = (seq_stats[:, 2:] >= 1).all(1).float().mean().item()
         log.record(row)
+        for change in knob_changes:  # for the next step
+            log.record(change)
+            say(
+                f"fit: {change['fit/knob']} {change['fit/from']} -> {change['fit/to']}: "
+                f"{change['fit/reason']}"
+            )
         bar.set_postfix(reward=f"{row['reward']:.3f}", vf=f"{row['value_loss']:.3f}")
         if rank == 0:
             bar.write(

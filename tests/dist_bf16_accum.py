@@ -60,6 +60,7 @@ old_logps = base + 0.3 * torch.randn(B, C)  # a previous iteration's policy: rat
 advantages = torch.randn(B)
 args = SimpleNamespace(
     temperature=1.0,
+    packing=False,
     beta=0.0,
     epsilon_low=0.2,
     epsilon_high=0.28,

@@ -3,9 +3,9 @@
 
 The whole batch is 8 completions, 4 per rank. For ZeRO-2 and ZeRO-3, every loss_type, and
 micro-batch x accumulation = (4, 1), (2, 2), (1, 4) and a token budget (uneven micro-batch counts
-across ranks), grpo.train_on_batch's SGD(lr=1) update must equal minus the gradient of the
-full-batch loss computed on one plain model. Usage: torchrun --nproc_per_node 2
-tests/dist_grpo_accum.py MODEL_DIR TMP_DIR
+across ranks), padded or packed (--packing), grpo.train_on_batch's loss must equal the full-batch
+loss and its SGD(lr=1) update minus the gradient of it, computed on one plain model.
+Usage: torchrun --nproc_per_node 2 tests/dist_grpo_accum.py MODEL_DIR TMP_DIR
 """
 
 import sys
@@ -57,6 +57,9 @@ advantages = torch.randn(B)
 args = SimpleNamespace(
     temperature=1.0, beta=0.04, epsilon_low=0.2, epsilon_high=0.28, logprob_chunk_size=0
 )
+# (micro-batch size, token budget, packing): packed micro-batches (one row, positions restarting
+# per sequence, batching.pack) give the same loss and update as padded ones
+CONFIGS = ((4, 0, False), (2, 0, False), (1, 0, False), (4, 22, False), (2, 0, True), (4, 22, True))
 
 failures = []
 for loss_type in LOSS_TYPES:
@@ -79,7 +82,8 @@ for loss_type in LOSS_TYPES:
     loss.backward()
     want = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
     for stage in (2, 3):
-        for micro, budget in ((4, 0), (2, 0), (1, 0), (4, 22)):
+        for micro, budget, packing in CONFIGS:
+            args.packing = packing
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
             config = {
@@ -110,13 +114,21 @@ for loss_type in LOSS_TYPES:
             total = torch.tensor(local)
             dist.all_reduce(total)
             assert total.item() == norm, (total.item(), norm)
-            train_on_batch(engine, batch, plan, args, total.item(), torch.device("cpu"))
+            sums = train_on_batch(engine, batch, plan, args, total.item(), torch.device("cpu"))
+            got_loss = torch.tensor(sums["loss"])  # this rank's share of the full-batch loss
+            dist.all_reduce(got_loss)
+            if not torch.allclose(got_loss, loss.detach(), rtol=1e-5, atol=1e-7):
+                failures.append(
+                    f"{loss_type} zero{stage} micro={micro} budget={budget} packing={packing}: "
+                    f"loss {got_loss.item():.8g} != {loss.item():.8g}"
+                )
             with gathered(engine.module):
                 for n, p in engine.module.named_parameters():
                     got = before[n] - p.detach()  # SGD(lr=1): the applied gradient
                     if not torch.allclose(got, want[n], rtol=1e-4, atol=1e-7):
                         failures.append(
-                            f"{loss_type} zero{stage} micro={micro} budget={budget} {n}: "
+                            f"{loss_type} zero{stage} micro={micro} budget={budget} "
+                            f"packing={packing} {n}: "
                             f"max err {(got - want[n]).abs().max():.3g} (grad max "
                             f"{want[n].abs().max():.3g})"
                         )

@@ -44,6 +44,7 @@ batch = {
 }
 args = SimpleNamespace(
     temperature=1.0,
+    packing=False,
     beta=0.0,
     epsilon_low=0.2,
     epsilon_high=0.2,

@@ -1,8 +1,9 @@
 """torchrun worker (2 ranks): PPO accumulation equivalence on real DeepSpeed ZeRO-3.
 
-The mini-batch is 8 completions, 4 per rank. For micro-batch x accumulation = (4, 1), (1, 4) and
-packed micro-batches of 2, ppo.train_on_batch's SGD(lr=1) update of the actor AND the critic must
-equal minus the gradient of the full-batch policy / value loss computed on plain models.
+The mini-batch is 8 completions, 4 per rank. For micro-batch x accumulation = (4, 1), (1, 4),
+packed micro-batches of 2 and token-budget micro-batches (20 padded tokens),
+ppo.train_on_batch's SGD(lr=1) update of the actor AND the critic must equal minus the gradient
+of the full-batch policy / value loss computed on plain models.
 Usage: torchrun --nproc_per_node 2 tests/dist_ppo_accum.py MODEL_DIR
 """
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from batching import micro_slice, plan_micro_batches
+from batching import micro_slice
 from ppo import build_critic, forward_logps, forward_values, policy_loss, train_on_batch, value_loss
 from zero3_utils import gathered
 
@@ -88,7 +89,9 @@ want = {("actor", k): p.grad.clone() for k, p in actor.named_parameters()}
 want.update({("critic", k): p.grad.clone() for k, p in critic.named_parameters()})
 
 failures = []
-for micro, packing in ((4, False), (1, False), (2, True)):
+# (micro-batch size, packing, token budget): a budget of 20 padded tokens makes micro-batches of
+# 1-3 length-sorted sequences (lengths 4-11), in an order of its own
+for micro, packing, budget in ((4, False, 0), (1, False, 0), (2, True, 0), (4, False, 20)):
     args.packing = packing
     engines = {}
     for name, model in zip(("actor", "critic"), models()):
@@ -109,8 +112,8 @@ for micro, packing in ((4, False), (1, False), (2, True)):
             before.update({(name, k): p.detach().clone() for k, p in e.module.named_parameters()})
     mine = slice(4 * rank, 4 * rank + 4)
     batch = {k: v[mine] for k, v in full.items()}
-    plan = plan_micro_batches(batch, micro)
-    train_on_batch(engines["actor"], engines["critic"], batch, plan, args, cpu)
+    args.micro, args.max_tokens_per_microbatch, args.num_mini_batches = micro, budget, 1
+    train_on_batch(engines["actor"], engines["critic"], batch, args, cpu)
     for name, e in engines.items():
         with gathered(e.module):
             for k, p in e.module.named_parameters():
@@ -118,7 +121,7 @@ for micro, packing in ((4, False), (1, False), (2, True)):
                 w = want[(name, k)]
                 if not torch.allclose(got, w, rtol=1e-4, atol=1e-6):
                     failures.append(
-                        f"micro={micro} packing={packing} {name}.{k}: max err "
+                        f"micro={micro} packing={packing} budget={budget} {name}.{k}: max err "
                         f"{(got - w).abs().max():.3g}"
                         f" (grad max {w.abs().max():.3g})"
                     )

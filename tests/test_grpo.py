@@ -203,8 +203,8 @@ def test_micro_batch_losses_sum_to_full_batch(loss_type):
 
 def test_accumulation_equivalence_deepspeed(tiny_model, tmp_path):
     """Real DeepSpeed (ZeRO-2 and ZeRO-3) on 2 ranks: (4, 1), (2, 2), (1, 4) micro-batch x
-    accumulation give the gradient of the whole 8-sequence batch computed on one plain model, for
-    every loss_type."""
+    accumulation, a token budget, padded or packed (--packing), give the loss and the gradient of
+    the whole 8-sequence batch computed on one plain model, for every loss_type."""
     torchrun(os.path.join(HERE, "dist_grpo_accum.py"), tiny_model, tmp_path)
 
 

@@ -5,7 +5,8 @@
 - ZeRO-2, vLLM generation with weight sync, reference model (beta > 0), num_iterations 2,
   truncated importance sampling, loss_type grpo.
 - Two nodes on loopback (two launches with NNODES=2), ZeRO-3 sharded generation, token-budget
-  micro-batches, loss_type dr_grpo, JSONL data with reward functions given as module:function.
+  micro-batches packed into rows (--packing), loss_type dr_grpo, JSONL data with reward functions
+  given as module:function.
 """
 
 import json
@@ -111,6 +112,8 @@ def test_two_nodes_loopback_sharded_token_budget_jsonl(tmp_path):
         "False",
         "--max_tokens_per_microbatch",
         "20",
+        "--packing",
+        "True",
         "--loss_type",
         "dr_grpo",
         "--save_model",

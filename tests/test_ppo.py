@@ -157,8 +157,55 @@ def test_losses_add_up_over_micro_batches():
 
 
 def test_accumulation_equivalence_deepspeed(tiny_model):
-    """Real DeepSpeed ZeRO-3 on 2 ranks: micro-batch x accumulation (4, 1), (1, 4) and packed
-    micro-batches of 2 give actor and critic the SGD update of the full 8-sequence policy / value
-    loss gradient."""
+    """Real DeepSpeed ZeRO-3 on 2 ranks: micro-batch x accumulation (4, 1), (1, 4), packed
+    micro-batches of 2 and a 20-token budget give actor and critic the SGD update of the full
+    8-sequence policy / value loss gradient."""
     out = torchrun(os.path.join(HERE, "dist_ppo_accum.py"), tiny_model, timeout=300)
     assert "ppo accumulation equivalence OK" in out.stdout
+
+
+def test_estimate_memory_flag_counts_critic_and_reward_model(capsys, monkeypatch, tmp_path):
+    """--estimate_memory for PPO: ppo.py's phases, with the trained critic (params, grads, Adam
+    like the actor's) and a frozen reward model in every phase; --frozen_offload moves the
+    reference and reward shards out."""
+    import json
+
+    from conftest import ROOT
+    from memory import PRESETS, estimate_memory, model_shape
+    from ppo import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text(json.dumps(PRESETS["qwen2.5-0.5b"]))
+    argv = ["--estimate_memory", "True", "--model", "qwen2.5-1.5b", "--dtype", "bf16"]
+    argv += ["--ds_config", os.path.join(ROOT, "configs", "zero3.json"), "--reward_model", str(rm)]
+    est = main(argv)
+    out = capsys.readouterr().out
+    assert "logprobs" in out and "update" in out and "highest phase" in out
+    assert set(est["phases"]) == {"rollout", "logprobs", "update"}  # the ppo ledger's phases
+    p, b, W = est["pieces"], 2, 2
+    c = model_shape(str(rm))  # the critic: the reward model's body (tied: all of it) + a head
+    critic_n = c["N"] + c["H"]
+    assert p["critic"] == critic_n * b // W + critic_n * b // W + 12 * critic_n // W
+    assert p["reward_model"] == c["N"] * b // W and p["reference"] == est["params"] * b // W
+    # without the critic and reward model, every phase is lower by exactly their resident states
+    bare = estimate_memory(
+        "qwen2.5-1.5b",
+        world_size=2,
+        zero_stage=3,
+        dtype="bf16",
+        micro_batch_size=64,  # ppo.py's defaults
+        seq_len=514,
+        completion_len=2,
+        num_generations=4,
+        prompts_per_rank=32,
+        reference_model=True,
+        loop="ppo",
+    )
+    extra = p["critic"] + p["reward_model"]
+    for phase, v in est["phases"].items():
+        assert v - bare["phases"][phase] == extra, phase
+    off = main(argv + ["--frozen_offload", "True"])
+    assert off["pieces"]["reward_model"] == 0 and off["pieces"]["reference"] == 0
+    assert off["cpu"] > est["cpu"]

@@ -2,8 +2,9 @@
 
 - Rule-based reward, checkpoint, and resume: the resumed step reproduces the uninterrupted run's
   step (same data, same samples, same actor and critic weights).
-- A tiny reward model (which also initialises the critic), with packing, gradient checkpointing,
-  frozen models offloaded to CPU, eager attention, two mini-batches per pass.
+- A tiny reward model (which also initialises the critic), with packing, token-budget
+  micro-batches, middle-mode generation, gradient checkpointing, frozen models offloaded to CPU,
+  eager attention, two mini-batches per pass.
 - LoRA on actor and critic (the reference is the actor with adapters off), when peft is installed.
 """
 
@@ -137,6 +138,12 @@ def test_zero3_reward_model_packing_offload(tmp_path):
         "2",
         "--micro_train_batch_size",
         "2",
+        "--max_tokens_per_microbatch",
+        "24",
+        "--gather_for_generation",
+        "False",
+        "--generation_resident_gb",
+        "0.0001",
         "--save_model",
         "False",
         env={"RUN_DIR": str(tmp_path / "r")},
@@ -149,7 +156,9 @@ def test_zero3_reward_model_packing_offload(tmp_path):
         assert r["value_loss"] > 0 and r["entropy"] > 0
     # the critic starts as the reward model (body and score head): its values are not all zero
     assert rows[0]["value_mean"] != 0.0
-    assert json.load(open(tmp_path / "r" / "args.json"))["packing"] is True
+    saved = json.load(open(tmp_path / "r" / "args.json"))
+    assert saved["packing"] is True and saved["max_tokens_per_microbatch"] == 24
+    assert saved["generation_resident_gb"] == 0.0001
 
 
 def test_zero3_lora(tmp_path):

@@ -1,0 +1,335 @@
+"""Fit a run to a memory budget: the estimate for a loop's arguments, the pre-flight that picks the
+memory knobs under `--memory_budget_gb`, and the between-step adapter that moves the knobs which
+never change the update from the ledger's measured peaks. Shared by grpo.py and ppo.py.
+
+    from fit import KnobAdapter, estimate_run_memory, fit_to_budget
+    estimate_run_memory(args, "grpo")            # --estimate_memory: the per-phase table
+    fit_to_budget(args, "grpo", world, say)      # pre-flight: knobs set on args, or exit 2
+    adapter = KnobAdapter(args, "grpo")          # after each step, on every rank:
+    for row in adapter.after_step(ledger.step, step + 1):  # a collective: ranks agree
+        log.record(row)                          # fit/knob, fit/from, fit/to, fit/reason
+
+The pre-flight walks a ladder of knob changes in an order of cost taken from README's measured
+tables (README, "Fit to a budget"), cheapest first, and takes the first change that lowers the
+estimate's highest phase over the budget, until every phase is under the high-water mark of it.
+On CPU the ledger measures the whole process's resident set, so the estimate there adds this
+process's resident set at the pre-flight (Python, torch, DeepSpeed: the runtime; the largest over
+ranks, so every rank picks the same knobs).
+
+Between steps only knobs that leave the update as it is move: the micro-batch size (or the token
+budget) and the log-prob tile; accumulation and tiling change the order of floating-point sums,
+not the sum (README, "Why whole groups stay on one rank"). The generation batch size and
+vllm_batch_size are chosen in the pre-flight only: generate_hf and vLLM draw each call's samples
+from one random stream, so splitting the same prompts into other calls samples other completions.
+This file imports checks, logprobs, memory, tasks, tiny_models and zero3_utils (it is the one that
+needs the run's arguments; memory.py stays a pure estimate that checks.py imports).
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from checks import RunError, check_model_path, read_ds_json
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
+from memory import GB, PRESETS, estimate_memory, format_table, model_shape, print_estimate
+from tasks import TASK_CHARS
+from tiny_models import llama_config
+from zero3_utils import all_max, comm_device
+
+# the loops' names for the same knob
+MICRO = {"grpo": "per_device_train_batch_size", "ppo": "micro_train_batch_size"}
+FROZEN_OFFLOAD = {"grpo": "ref_offload", "ppo": "frozen_offload"}
+# the ledger's phases that micro-batches and the log-prob tile drive, per loop
+MICRO_PHASES = {"grpo": ("old_logprobs", "ref_logprobs", "update"), "ppo": ("logprobs", "update")}
+HIGH_WATER = 0.9  # a phase above this share of the budget lowers its knob for the next step
+LOW_WATER = 0.5  # every driven phase below this share raises it (up to the fastest setting)
+MIN_TILE = 256  # tokens per log-prob tile: below it the tile's matmuls run far from peak speed
+
+
+# ---- The estimate for a loop's arguments ------------------------------------------------------
+def _config_for(path, flag):
+    """A preset, a config.json or its directory, or a cached hub id -> what model_shape takes."""
+    if path.lower() in PRESETS or os.path.isfile(os.path.join(path, "config.json")):
+        config = path
+    elif os.path.isfile(path):
+        config = path
+    else:  # a cached hub id (its config, no weights needed), or a path that is not there
+        try:
+            config = check_model_path(path, flag, need_weights=False)
+        except RunError as e:
+            raise RunError(
+                f"{e}; --estimate_memory also takes a config.json or a preset: {', '.join(PRESETS)}"
+            ) from None
+    try:
+        model_shape(config)  # a config.json that is not JSON, or lacks the sizes the estimate needs
+    except (ValueError, OSError) as e:
+        raise RunError(f"--estimate_memory {flag} {path}: {e}") from None
+    return config
+
+
+def estimate_kwargs(args, loop, world):
+    """memory.estimate_memory's keyword arguments for these args (no weights loaded)."""
+    if not args.model:  # the built-in task's tiny model (tasks.task_model)
+        config = llama_config(len(TASK_CHARS) + 4, hidden_size=128, num_layers=2).to_dict()
+    else:
+        config = _config_for(args.model, "--model")
+    ds = read_ds_json(args.ds_config)  # readable, an object, a supported ZeRO set-up
+    zero, cuda = ds.get("zero_optimization", {}), torch.cuda.is_available()
+    S = args.max_prompt_length + args.max_completion_length
+    micro = min(getattr(args, MICRO[loop]), args.batch_size)
+    kw = dict(
+        model_config=config,
+        device_gb=torch.cuda.get_device_properties(0).total_memory / GB if cuda else 80.0,
+        world_size=world,
+        zero_stage=zero.get("stage", 0),
+        offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") != "none",
+        offload_params=zero.get("offload_param", {}).get("device", "none") != "none",
+        dtype="bf16" if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else "fp32",
+        gradient_checkpointing=args.gradient_checkpointing,
+        seq_len=S,
+        completion_len=args.max_completion_length,
+        micro_batch_size=max(1, args.max_tokens_per_microbatch // S)
+        if args.max_tokens_per_microbatch
+        else micro,
+        num_generations=args.num_generations,
+        prompts_per_rank=args.prompts_per_rank,
+        gather_for_generation=args.gather_for_generation,
+        generation_resident_bytes=int(args.generation_resident_gb * GB),
+        generation_batch_size=args.generation_batch_size,
+        ref_offload=getattr(args, FROZEN_OFFLOAD[loop]),
+        logprob_chunk=(args.logprob_chunk_size or DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE),
+        fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False),
+        loop=loop,
+    )
+    if loop == "grpo":
+        kw.update(
+            use_vllm=args.use_vllm,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            reference_model=args.beta > 0,
+        )
+    else:  # the critic: the reward model's body when there is one, else the actor's
+        rm = _config_for(args.reward_model, "--reward_model") if args.reward_model else None
+        kw.update(
+            reference_model=args.kl_coef > 0 and not args.lora_r,
+            critic_config=rm or config,
+            reward_config=rm,
+        )
+    return kw
+
+
+def estimate_run_memory(args, loop):
+    """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args."""
+    kw = estimate_kwargs(args, loop, int(os.environ.get("WORLD_SIZE", 1)))
+    return print_estimate(kw.pop("model_config"), kw.pop("device_gb"), **kw)
+
+
+# ---- The pre-flight: knobs under the budget, cheapest first ------------------------------------
+def _runtime_bytes():
+    """On CPU the ledger measures the process's resident set: this process's now (the runtime the
+    estimate leaves out), the largest over ranks. On CUDA 0 (the ledger counts torch's tensors)."""
+    if torch.cuda.is_available() or not os.path.exists("/proc/self/status"):
+        return 0
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+    return all_max(rss)
+
+
+def _ladder(args, loop, kw):
+    """The single changes to try, cheapest first (README, "Fit to a budget", says where each
+    cost was measured): [(label, {arg: value}, {estimate kwarg: value})]; a knob at its limit is
+    left out."""
+    out = []
+    stage3 = kw["zero_stage"] == 3
+    has_frozen = kw["reference_model"] or kw.get("reward_config") is not None
+    if stage3 and has_frozen and not kw["ref_offload"]:
+        out.append(("frozen shards on CPU", {FROZEN_OFFLOAD[loop]: True}, {"ref_offload": True}))
+    tile = kw["logprob_chunk"][0]
+    if tile > MIN_TILE:
+        t = max(MIN_TILE, tile // 2)
+        out.append(
+            (
+                "log-prob tile",
+                {"logprob_chunk_size": t},
+                {"logprob_chunk": (t, kw["logprob_chunk"][1])},
+            )
+        )
+    gen = min(args.generation_batch_size, args.batch_size)
+    if not getattr(args, "use_vllm", False) and gen > 1:
+        out.append(
+            (
+                "generation batch",
+                {"generation_batch_size": gen // 2},
+                {"generation_batch_size": gen // 2},
+            )
+        )
+    S = kw["seq_len"]
+    if args.max_tokens_per_microbatch > S:
+        t = max(S, args.max_tokens_per_microbatch // 2)
+        out.append(
+            ("token budget", {"max_tokens_per_microbatch": t}, {"micro_batch_size": max(1, t // S)})
+        )
+    elif not args.max_tokens_per_microbatch and kw["micro_batch_size"] > 1:
+        m = kw["micro_batch_size"] // 2
+        out.append(("micro-batch", {MICRO[loop]: m}, {"micro_batch_size": m}))
+    if not kw["gradient_checkpointing"]:
+        out.append(
+            (
+                "gradient checkpointing",
+                {"gradient_checkpointing": True},
+                {"gradient_checkpointing": True},
+            )
+        )
+    if stage3 and not getattr(args, "use_vllm", False):
+        full = model_shape(kw["model_config"])["N"] * (2 if kw["dtype"] == "bf16" else 4)
+        if kw["gather_for_generation"]:  # middle mode: half the model kept gathered
+            half = full / 2 / GB
+            out.append(
+                (
+                    "generation: middle mode",
+                    {"gather_for_generation": False, "generation_resident_gb": half},
+                    {"gather_for_generation": False, "generation_resident_bytes": int(half * GB)},
+                )
+            )
+        elif kw["generation_resident_bytes"] > 0:
+            out.append(
+                (
+                    "generation: layer by layer",
+                    {"generation_resident_gb": 0.0},
+                    {"generation_resident_bytes": 0},
+                )
+            )
+    return out
+
+
+def fit_to_budget(args, loop, world, say=print):
+    """With --memory_budget_gb: set the memory knobs on `args` so that the estimate (plus, on CPU,
+    the runtime) puts every phase under HIGH_WATER x the budget at the least cost; print them and
+    the estimate per phase. Nothing fits: a RunError (exit 2) with the closest configuration and
+    its shortfall. Knobs already under the budget stay as given. Returns the estimate's phases."""
+    if not args.memory_budget_gb:
+        return None
+    runtime = _runtime_bytes()
+    kw, target = estimate_kwargs(args, loop, world), HIGH_WATER * args.memory_budget_gb * GB
+
+    def top(k):
+        phases = estimate_memory(**k)["phases"]
+        return max(phases.values()) + runtime, phases
+
+    now, phases = top(kw)
+    given, why = {}, {}  # knob -> its value as given, the ladder step that moved it
+
+    def changed():
+        return [f"{k} {v} -> {getattr(args, k)} ({why[k]})" for k, v in given.items()]
+
+    while now > target:
+        for label, arg_change, kw_change in _ladder(args, loop, kw):
+            tried, tried_phases = top({**kw, **kw_change})
+            if tried < now:
+                for name, value in arg_change.items():
+                    given.setdefault(name, getattr(args, name))
+                    why[name] = label
+                    setattr(args, name, value)
+                kw, now, phases = {**kw, **kw_change}, tried, tried_phases
+                break
+        else:  # no single change lowers the highest phase any more
+            raise RunError(
+                f"--memory_budget_gb {args.memory_budget_gb}: nothing fits. Closest: "
+                + (", ".join(changed()) or "the knobs as given")
+                + f"; highest phase {max(phases, key=phases.get)} at {now / GB:.2f} GB, "
+                f"{(now - target) / GB:.2f} GB over {HIGH_WATER:.0%} of the budget "
+                + (f"(incl. {runtime / GB:.2f} GB runtime RSS). " if runtime else ". ")
+                + "Raise the budget, use ZeRO-3 with optimizer offload "
+                "(configs/zero3_offload.json), more ranks, or shorter sequences."
+            )
+    args.micro = min(getattr(args, MICRO[loop]), args.batch_size)  # the loops' derived value
+    est = estimate_memory(**kw)
+    if runtime and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        say(
+            "note: on CPU glibc keeps freed blocks in the resident set; with "
+            "MALLOC_MMAP_THRESHOLD_=65536 a lowered knob shows in the next step's measured peaks"
+        )
+    say(
+        f"memory budget {args.memory_budget_gb} GB (phases fitted under {HIGH_WATER:.0%}"
+        + (f", incl. {runtime / GB:.2f} GB runtime RSS" if runtime else "")
+        + "): "
+        + ("; ".join(changed()) if given else "the knobs as given fit")
+    )
+    say(format_table(est, args.memory_budget_gb))
+    return {k: v + runtime for k, v in est["phases"].items()}
+
+
+# ---- Between steps: the knobs that leave the update as it is ------------------------------------
+class KnobAdapter:
+    """Moves the micro-batch size (or token budget) and the log-prob tile between steps from the
+    ledger's peaks: a driven phase above HIGH_WATER of the budget lowers the micro-batch (then the
+    tile) for the next step; all driven phases below LOW_WATER raise the tile (then the
+    micro-batch) up to the fastest setting, never back to a value that crossed the mark. Ranks
+    agree: the peaks are the maximum over ranks (one all-reduce), the rule is deterministic."""
+
+    def __init__(self, args, loop):
+        self.args, self.loop = args, loop
+        self.budget = args.memory_budget_gb * GB
+        self.tokens = args.max_tokens_per_microbatch > 0  # the budget knob, else the count
+        S = args.max_prompt_length + args.max_completion_length
+        self.micro_name = "max_tokens_per_microbatch" if self.tokens else MICRO[loop]
+        self.micro_range = (S, args.batch_size * S) if self.tokens else (1, args.batch_size)
+        self.tile_range = (MIN_TILE, max(DEFAULT_CHUNK_SIZE, args.logprob_chunk_size))
+        self.ceiling = {}  # knob -> the lowest value that crossed the high-water mark
+
+    def _get(self, name):
+        v = getattr(self.args, name)
+        return (v or DEFAULT_CHUNK_SIZE) if name == "logprob_chunk_size" else v
+
+    def _set(self, name, value, reason, step):
+        old = self._get(name)
+        setattr(self.args, name, value)
+        self.args.micro = min(getattr(self.args, MICRO[self.loop]), self.args.batch_size)
+        return {
+            "step": step,
+            "fit/knob": name,
+            "fit/from": old,
+            "fit/to": value,
+            "fit/reason": reason,
+        }
+
+    def after_step(self, step_peaks, step):
+        """step_peaks: {phase: bytes} this rank measured this step (ledger.step, read before
+        step_metrics clears it). Returns the changes as metrics rows (empty: none)."""
+        if not self.budget:
+            return []
+        names = MICRO_PHASES[self.loop]
+        peaks = torch.tensor([float(step_peaks.get(p, 0)) for p in names], dtype=torch.float64)
+        if dist.is_initialized():
+            peaks = peaks.to(comm_device())
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        peaks = dict(zip(names, peaks.cpu().tolist()))
+        hot = max(peaks, key=peaks.get)
+        share = peaks[hot] / self.budget
+        micro, tile = self._get(self.micro_name), self._get("logprob_chunk_size")
+        if share > HIGH_WATER:
+            reason = f"{hot} peak {peaks[hot] / GB:.3f} GB > {HIGH_WATER:.0%} of the budget"
+            if micro > self.micro_range[0]:
+                self.ceiling[self.micro_name] = min(self.ceiling.get(self.micro_name, 1e30), micro)
+                return [
+                    self._set(self.micro_name, max(self.micro_range[0], micro // 2), reason, step)
+                ]
+            if tile > self.tile_range[0]:
+                self.ceiling["logprob_chunk_size"] = min(
+                    self.ceiling.get("logprob_chunk_size", 1e30), tile
+                )
+                return [self._set("logprob_chunk_size", max(MIN_TILE, tile // 2), reason, step)]
+            return []
+        if share < LOW_WATER:
+            reason = (
+                f"every driven phase under {LOW_WATER:.0%} of the budget (highest {hot} "
+                f"{peaks[hot] / GB:.3f} GB)"
+            )
+            for name, value, (_, most) in (
+                ("logprob_chunk_size", tile, self.tile_range),
+                (self.micro_name, micro, self.micro_range),
+            ):
+                up = min(most, value * 2)
+                if up > value and up < self.ceiling.get(name, 1e30):
+                    return [self._set(name, up, reason, step)]
+        return []
