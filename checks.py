@@ -256,14 +256,15 @@ def check_ranges(args):
 # ---- Pre-flight: inputs, before any model is loaded or any step is taken -------------------------
 def check_inputs(args, rank):
     """The inputs both loops share, checked in order: the DeepSpeed JSON's shape (what this project
-    supports), data (each JSONL line), training rows left, answers for the rewards that read them,
-    the model (the built-in task's is built here by rank 0) and its weights, its tokenizer (eos and
-    pad tokens), prompt lengths (one warning), the reward functions on real prompts (args.funcs).
+    supports), data (each row, conversations included), training rows left, answers for the
+    rewards that read them, the model (the built-in task's is built here by rank 0) and its
+    weights, its tokenizer (eos and pad tokens), the chat template on every prompt, prompt lengths
+    (one warning), the reward functions on real prompts (args.funcs).
     Needs args.ds_config, data, data_split, data_config, prompt_field, answer_field,
     num_eval_prompts, seed, run_dir, model, pad_token, chat_template_kwargs, max_prompt_length,
-    funcs, weights; sets
-    args.template_kwargs (the parsed JSON) and args.stop_ids (batching.stop_token_ids). Returns
-    (train_rows, eval_rows, model_path, model config, tokenizer)."""
+    funcs, weights; sets args.template_kwargs (the parsed JSON) and args.stop_ids
+    (batching.stop_token_ids). Returns (train_rows, eval_rows, model_path, model config,
+    tokenizer)."""
     read_ds_json(args.ds_config)
     try:
         args.template_kwargs = template_kwargs(args.chat_template_kwargs)

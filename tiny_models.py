@@ -11,7 +11,8 @@ Tests, benchmarks and the default `bash run.sh` task all build their models here
     python tiny_models.py --path runs/x --hidden_size 256 --num_layers 4 --tie_word_embeddings
 
 `build_family(path, family)` builds the same tiny shape as a Llama, Qwen2, Qwen3, Mistral,
-Gemma-2 or Phi-3 model (FAMILIES), for the architecture matrix of tests/test_families.py.
+Gemma-2 or Phi-3 model (FAMILIES), for the architecture matrix of tests/test_families.py;
+`tokenizer_dir=` gives it a real tokenizer instead (Qwen2.5's, for tests/test_chat.py).
 
 head_dim is fixed at 64 (hidden_size / num_heads) because vLLM's CPU attention
 rejects smaller heads; hidden_size must therefore be a multiple of 64.

@@ -7,6 +7,7 @@ model keeps its tokenizer and template."""
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -158,8 +159,21 @@ def test_run_sh_on_conversations(chat_model, tmp_path, loop):
     greedy-like): GRPO generates with vLLM, PPO with HF. Every completion ends its turn at
     <|im_end|> after the model's 2 tokens (length 3 of --max_completion_length 8, in both
     generators), reaches the reward as text without special tokens beside its prompt, a list of
-    messages; the final model has the tokenizer and the chat template."""
+    messages; the final model has the tokenizer and the chat template. GRPO's model is made
+    base-like (tokenizer and generation_config eos both <|endoftext|>), so vLLM stops at
+    <|im_end|> only through the stop ids the run found in the template."""
+    from transformers import AutoTokenizer, GenerationConfig
+
     path, first_two = chat_model
+    if loop == "grpo":
+        shutil.copytree(path, tmp_path / "base")
+        path = str(tmp_path / "base")
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.eos_token = "<|endoftext|>"
+        tok.save_pretrained(path)
+        gen = GenerationConfig.from_pretrained(path)
+        gen.eos_token_id = ENDOFTEXT
+        gen.save_pretrained(path)
     rows = [{"prompt": SYSTEM + [USER], "answer": "5"}] * 6
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -181,20 +195,10 @@ def test_run_sh_on_conversations(chat_model, tmp_path, loop):
     seen = [json.loads(line) for line in log.read_text().splitlines()]
     completions = {c for s in seen for c in s["completions"]}
     # the pre-flight's probe scores the answer and "" too
-    assert completions == {"5", "", os_text(path, first_two)}, completions
+    assert completions == {"5", "", AutoTokenizer.from_pretrained(path).decode(first_two)}
     assert all(p == SYSTEM + [USER] for s in seen[-2:] for p in s["prompts"])
     final = run_dir / "final"
-    from transformers import AutoTokenizer
-
     saved = AutoTokenizer.from_pretrained(final)
     assert saved.chat_template == AutoTokenizer.from_pretrained(TOKENIZER).chat_template
-    assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == [
-        IM_END,
-        ENDOFTEXT,
-    ]
-
-
-def os_text(path, ids):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path).decode(ids)
+    eos = json.loads((final / "generation_config.json").read_text())["eos_token_id"]
+    assert eos == (ENDOFTEXT if loop == "grpo" else [IM_END, ENDOFTEXT])
