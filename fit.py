@@ -244,11 +244,6 @@ def fit_to_budget(args, loop, world, say=print):
             )
     args.micro = min(getattr(args, MICRO[loop]), args.batch_size)  # the loops' derived value
     est = estimate_memory(**kw)
-    if runtime and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        say(
-            "note: on CPU glibc keeps freed blocks in the resident set; with "
-            "MALLOC_MMAP_THRESHOLD_=65536 a lowered knob shows in the next step's measured peaks"
-        )
     say(
         f"memory budget {args.memory_budget_gb} GB (phases fitted under {HIGH_WATER:.0%}"
         + (f", incl. {runtime / GB:.2f} GB runtime RSS" if runtime else "")
@@ -256,6 +251,11 @@ def fit_to_budget(args, loop, world, say=print):
         + ("; ".join(changed()) if given else "the knobs as given fit")
     )
     say(format_table(est, args.memory_budget_gb))
+    if runtime and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        say(
+            "note: on CPU glibc keeps freed blocks in the resident set; with "
+            "MALLOC_MMAP_THRESHOLD_=65536 a lowered knob shows in the next step's measured peaks"
+        )
     return {k: v + runtime for k, v in est["phases"].items()}
 
 
@@ -306,7 +306,9 @@ class KnobAdapter:
         peaks = dict(zip(names, peaks.cpu().tolist()))
         hot = max(peaks, key=peaks.get)
         share = peaks[hot] / self.budget
-        micro, tile = self._get(self.micro_name), self._get("logprob_chunk_size")
+        # a micro-batch larger than the batch is the whole batch
+        micro = min(self._get(self.micro_name), self.micro_range[1])
+        tile = self._get("logprob_chunk_size")
         if share > HIGH_WATER:
             reason = f"{hot} peak {peaks[hot] / GB:.3f} GB > {HIGH_WATER:.0%} of the budget"
             if micro > self.micro_range[0]:
