@@ -5,7 +5,7 @@ own DeepSpeed integration (HfDeepSpeedConfig alive during from_pretrained) and z
     python bench/partitioned_load.py               # Markdown table (README "Partitioned loading")
     python bench/partitioned_load.py --dtype bf16  # a bf16 checkpoint loaded in bf16
 
-A random Llama (hidden 1024, 20 layers, MLP 2816, vocab 32000, untied: 322M parameters, 1.29 GB in
+A random Llama (hidden 1024, 20 layers, MLP 2816, vocab 32000, untied: 322M parameters, 1.20 GiB in
 fp32) is written once as safetensors to a temporary directory; each method then runs in a fresh
 2-rank torchrun with glibc's mmap threshold fixed at 64 KiB (freed tensors leave the process, so
 the resident set follows live bytes). "Loading" is the model built and wrapped in a frozen ZeRO-3
@@ -118,7 +118,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model")
         numel, nbytes = build(path, a.dtype)
-        print(f"model: {numel / 1e6:.0f}M parameters, {nbytes / 2**30:.2f} GB in {a.dtype}")
+        print(f"model: {numel / 1e6:.0f}M parameters, {nbytes / 2**30:.2f} GiB in {a.dtype}")
         env = {
             **os.environ,
             "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -126,7 +126,7 @@ def main():
             "MALLOC_MMAP_THRESHOLD_": "65536",
         }
         lines = [
-            "| method | rank | peak above baseline (GB) | x model bytes | shard held (GB) | s |",
+            "| method | rank | peak above baseline (GiB) | x model bytes | shard held (GiB) | s |",
             "| --- | --- | --- | --- | --- | --- |",
         ]
         for method in a.methods.split(","):

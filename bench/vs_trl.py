@@ -367,11 +367,11 @@ def ours_worker(spec, result):
 
         return make
 
-    # grpo.py imports these names at its top (from generation / logprobs import ...) and calls
+    # grpo.py imports these names at its top (from generation / batching import ...) and calls
     # them as its module globals, so replacing grpo's attributes reaches every call.
     wrap(grpo, "generate_hf", timer("generation"))
     wrap(grpo, "batch_logps", timer("logprobs"))
-    wrap(grpo, "model_logps", timer("update_forward", torch.is_grad_enabled))
+    wrap(grpo, "forward_logps", timer("update_forward", torch.is_grad_enabled))
     wrap(DeepSpeedEngine, "backward", timer("update_backward"))
     step = DeepSpeedEngine.step
 
