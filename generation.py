@@ -213,10 +213,14 @@ def attn_implementation_for(model_path, requested="sdpa"):
 def _vllm_reload_weights(llm, weights):
     # vllm 0.32.0: with distributed_executor_backend="external_launcher" the executor runs the
     # worker in this process (driver_worker is a WorkerWrapperBase around the GPU/CPU worker), so
-    # an iterator of tensors can be handed over without serialising. reload_weights copies each
-    # checkpoint-format (name, tensor) into the live parameters; `model.load_weights` does not
-    # work on the CPU backend.
-    worker = llm.llm_engine.model_executor.driver_worker.worker
+    # an iterator of tensors can be handed over without serialising.
+    _vllm_load_into_worker(llm.llm_engine.model_executor.driver_worker.worker, weights)
+
+
+def _vllm_load_into_worker(worker, weights):
+    # vllm 0.32.0: reload_weights copies each checkpoint-format (name, tensor) into the live
+    # parameters; `model.load_weights` does not work on the CPU backend. Also the server's workers
+    # (vllm_server.WeightSyncExtension).
     worker.reload_weights(weights_iterator=weights)
     # vllm 0.32.0 CPU: process_weights_after_loading packs each linear's weight into a private
     # copy for its GEMM kernel, and reload_weights redoes that only for the layers it loaded. A
