@@ -19,6 +19,7 @@ Public API
         .generate(prompts, num_generations=1, max_new_tokens=64, temperature=1.0, top_p=1.0,
                   top_k=0, greedy=False) -> Generations (with the sampler's logprobs)
         .sync_weights(model_or_engine, max_numel=2**26)  stream training weights into vLLM in place
+        .last_sync_seconds                               wall seconds of the latest sync
         .sleep() / .wake_up()                            free/restore the KV cache (GPU), else no-op
     attn_implementation_for(model_path, requested)   "eager" under an attention soft-cap
     Generations: completion_ids (N*G, C) long, pad after EOS; completion_mask (N*G, C) long, 1 up to
@@ -34,6 +35,7 @@ layer by layer; measured between gathered and sharded on both speed and memory (
 """
 
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -292,6 +294,7 @@ class VLLMGenerator:
             **llm_kwargs,
         )
         self.asleep = False
+        self.last_sync_seconds = 0.0  # wall seconds of the latest sync_weights (logged per step)
         self.pad_token_id = getattr(self.llm.get_tokenizer(), "pad_token_id", None) or 0
 
     def generate(
@@ -351,8 +354,10 @@ class VLLMGenerator:
     def sync_weights(self, model_or_engine, max_numel=2**26):
         """Stream the training weights into vLLM in place (collective: every rank calls it)."""
         self._check_awake()
+        t0 = time.time()
         _vllm_reload_weights(self.llm, iter_full_params(model_or_engine, max_numel=max_numel))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.last_sync_seconds = time.time() - t0
 
     def _check_awake(self):
         if self.asleep:

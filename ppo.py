@@ -88,6 +88,7 @@ from checks import (
     check_inputs,
     check_model_path,
     check_sequence_classifier,
+    check_vllm,
     entry_code,
     exit_process,
     load_tokenizer,
@@ -98,13 +99,17 @@ from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, model_logps, 
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import RewardError, batch_rows, reward_functions, score_completions
+from vllm_server import vllm_generator
 from zero3_utils import frozen_engine, gathered, load_ds_config, save_hf
 
 # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
 # memory)
 OOM_HINTS = {
     "rollout": "lower --generation_batch_size, or --gather_for_generation False (layer by layer), "
-    "or a shorter --max_completion_length",
+    "or a shorter --max_completion_length; vLLM: lower --vllm_batch_size or "
+    "--vllm_gpu_memory_utilization, or --vllm_mode server (vLLM on devices of its own)",
+    "weight_sync": "lower --vllm_gpu_memory_utilization (vLLM's pool shares the GPU with the "
+    "trainer), or --vllm_mode server",
     "logprobs": "lower --micro_train_batch_size or --logprob_chunk_size (tokens per log-prob "
     "tile); --frozen_offload True keeps the reference and reward shards in CPU memory; "
     "--packing True",
@@ -246,6 +251,16 @@ class Args:
         "ZeRO-3: gather to generate (fast); False: sharded, layer by layer (fits)",
     )
     generation_batch_size: int = arg(256, "HF generate: sequences per call", ">= 1")
+    use_vllm: bool = arg(False, "generate with vLLM (--vllm_mode: colocated, or a server)")
+    vllm_mode: str = arg(
+        "colocate",
+        "colocate: a vLLM engine per rank (or TP group); server: one vLLM server (run.sh "
+        "VLLM_DEVICES=...)",
+    )
+    vllm_server_url: str = arg("http://127.0.0.1:8000", "server mode: the vLLM server's address")
+    vllm_batch_size: int = arg(0, "vLLM: prompts per call, 0 = all at once", ">= 0")
+    vllm_gpu_memory_utilization: float = arg(0.3, "vLLM's share of GPU memory", "(0, 1]")
+    vllm_tensor_parallel_size: int = arg(1, "ranks sharing one vLLM engine", ">= 1")
     # rewards, advantages, losses and the update
     kl_coef: float = arg(
         0.01,
@@ -380,6 +395,10 @@ MEMORY_KNOBS = (
     "gradient_checkpointing",
     "generation_batch_size",
     "gather_for_generation",
+    "vllm_batch_size",
+    "vllm_gpu_memory_utilization",
+    "vllm_mode",
+    "vllm_server_url",
     "frozen_offload",
     "max_bad_steps",
     "micro",
@@ -390,6 +409,7 @@ def preflight(args, rank, world):
     """Every input checked before a model loads or a step runs; each failure a RunError saying what
     to change. run.sh runs this once in one process first (--preflight True); each rank runs it
     again."""
+    check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
     # before anything is written to run_dir
     check_new_run(args.run_dir, args.resume, args.overwrite)
     # data, model, rewards
@@ -426,8 +446,16 @@ def preflight(args, rank, world):
 
 
 # ---- Rollout: generate, score (batching.py encodes and pads, tasks.py has the rule rewards) ------
-def generate(engine, tokenizer, prompt_ids, args, num_generations):
-    """G completions of each prompt, prompt-major, from the actor (HF generate)."""
+def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
+    """G completions of each prompt, prompt-major, from the actor (HF generate) or vLLM."""
+    if vllm is not None:
+        return vllm.generate(
+            prompt_ids,
+            num_generations=num_generations,
+            max_new_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+        )
     with unwrap_for_generation(engine, gather=args.gather_for_generation) as model:
         return generate_hf(
             model,
@@ -693,7 +721,7 @@ def train_on_batch(actor, critic, batch, plan, args, device):
 
 # ---- Evaluation ----------------------------------------------------------------------------------
 # Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
-def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
+def evaluate(engine, vllm, reward_model, tokenizer, rows, args, rank, world, device):
     """Held-out mean score and accuracy (0 with a reward model): one sampled completion per
     prompt."""
     if not rows:
@@ -701,7 +729,7 @@ def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
     mine = rows[rank::world]
     torch.manual_seed(args.seed + 12345 + rank)  # the same eval samples at every point of a run
     prompt_ids = encode_prompts(tokenizer, mine, args.max_prompt_length)
-    gens = generate(engine, tokenizer, prompt_ids, args, 1)
+    gens = generate(engine, vllm, tokenizer, prompt_ids, args, 1)
     completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
     batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
     total, per_func = score(
@@ -769,6 +797,11 @@ def main(argv=None):
             args.reward_model, num_labels=1, **attn
         )
         reward_model = frozen_model(rm, frozen_ds, stage, args.frozen_offload, device)
+    vllm = None
+    if args.use_vllm:  # the same generator and knobs as grpo.py's
+        max_len = args.max_prompt_length + args.max_completion_length
+        max_len = min(max_len, model.config.max_position_embeddings)
+        vllm = vllm_generator(args, model_path, dtype, max_len, tokenizer.pad_token_id)
 
     start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
     # one sub-dir each in checkpoints/step<N>/ (checkpoint.py)
@@ -792,8 +825,11 @@ def main(argv=None):
     )
 
     def held_out(step, when):
+        if vllm is not None:
+            vllm.wake_up()
+            vllm.sync_weights(engine)
         reward, acc = evaluate(
-            engine, reward_model, tokenizer, eval_rows, args, rank, world, device
+            engine, vllm, reward_model, tokenizer, eval_rows, args, rank, world, device
         )
         say(
             f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} "
@@ -824,8 +860,14 @@ def main(argv=None):
         # 3. rollout and scores ----------------------------------------------------------------
         rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N : (rank + 1) * N]
         prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length)
+        if vllm is not None:
+            with ledger.phase("weight_sync"):
+                vllm.wake_up()  # KV cache and weights back from sleep (no-op where unsupported)
+                vllm.sync_weights(engine)
         with ledger.phase("rollout"):
-            gens = generate(engine, tokenizer, prompt_ids, args, G)
+            gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
+            if vllm is not None:
+                vllm.sleep()  # free vLLM's KV cache while the trainer works (GPU; CPU: a no-op)
             completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
             batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
             plan = plan_micro_batches(batch, args.micro)
@@ -894,6 +936,7 @@ def main(argv=None):
             "tokens_per_s": seq_stats[:, 1].sum().item() / dt,
             "step_s": dt,
             "rollout_s": t_rollout,
+            "weight_sync_s": vllm.last_sync_seconds if vllm is not None else 0.0,
             "update_s": t_update,
             "elapsed_s": time.time() - t_start,
             **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
@@ -968,7 +1011,9 @@ def main(argv=None):
         ]
     )
     dist.barrier()
-    dist.destroy_process_group()
+    # vLLM's exit handler tears down its own groups and needs the default one alive
+    if vllm is None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

