@@ -229,7 +229,8 @@ class VLLMServerGenerator:
 
     def _in_thread(self, fn):
         """Run fn() in a thread (its HTTP call blocks until the workers are done, while this
-        thread feeds them); join() returns its result or raises its error."""
+        thread feeds them); join() returns its result or raises its error; join(block=False)
+        only raises its error, if it failed already."""
         box = {}
 
         def run():
@@ -241,11 +242,12 @@ class VLLMServerGenerator:
         t = threading.Thread(target=run, daemon=True)
         t.start()
 
-        def join():
-            t.join()
+        def join(block=True):
+            if block:
+                t.join()
             if "error" in box:
                 raise box["error"]
-            return box["result"]
+            return box.get("result")
 
         return join
 
@@ -270,7 +272,16 @@ class VLLMServerGenerator:
             if self.group is None:
                 self._connect()
             join = self._in_thread(lambda: self._rpc("receive_weights"))
-            send = lambda t: self.group.broadcast(t, 0).wait()  # noqa: E731
+
+            def send(t):
+                # poll, not wait(): when the server dies its workers never take this tensor, and
+                # the failed request (join) is what says so, not a 30-minute gloo timeout
+                work = self.group.broadcast(t, 0)
+                while not work.is_completed():
+                    join(block=False)
+                    time.sleep(1e-4)
+                work.wait()
+
             try:
                 for name, tensor in iter_full_params(model_or_engine, max_numel=max_numel):
                     tensor = tensor.detach().to(self.device)
