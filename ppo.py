@@ -5,6 +5,7 @@ Launch (see run.sh, which wires this through torchrun and a DeepSpeed JSON):
     bash run.sh ppo                               # default task: tiny actor and critic, ZeRO-3
     bash run.sh ppo --max_steps 2 --packing True  # extra args go to Args below
     bash run.sh ppo --reward_model path/to/rm     # a sequence-classification reward model (1 label)
+    bash run.sh ppo --use_vllm True               # vLLM generation (VLLM_DEVICES=...: a server)
     python -m torch.distributed.run --nproc_per_node 2 ppo.py --ds_config configs/zero3.json ...
 
 One step: each rank takes `prompts_per_rank` prompts, samples `num_generations` completions
@@ -38,9 +39,10 @@ Departures from the paper (InstructGPT / "Fine-Tuning LMs from Human Preferences
 Shared with grpo.py: tasks.py (task, rewards, data order), batching.py (batches, micro-batches,
 collectives), runlog.py (run files), memory.py (peak memory per phase, OOM_HINTS), checks.py (inputs
 checked up front, exit codes, non-finite steps), checkpoint.py (atomic checkpoints of actor and
-critic, resume); logprobs.model_logps scores padded and packed rows.
+critic, resume); logprobs.model_logps scores padded and packed rows; generation.py and
+vllm_server.py (HF or vLLM generation, colocated or a server, the same flags as grpo.py's).
 Limits: the reward model must share the actor's tokenizer (token ids are passed as they are);
-every rank loads full checkpoints before DeepSpeed partitions them; no vLLM path yet.
+every rank loads full checkpoints before DeepSpeed partitions them.
 """
 
 import json
