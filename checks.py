@@ -21,6 +21,8 @@ so bad input gets exit 2 from run.sh and no torchrun summary):
     4  out of memory: the message names the phase and the knob that lowers its peak
     5  stopped by SIGTERM or SIGINT after a step, with a checkpoint: continue with --resume True
        (checkpoint.StopOnSignal)
+    6  the vLLM server (--vllm_mode server) was unreachable at start or died mid-run: the message
+       names its address and log file (vllm_server.ServerError)
   130  a second Ctrl-C: stopped at once, no checkpoint
 A failure every rank sees alike (a config error) is printed by rank 0 only; a failure of one rank
 (a reward function raising on its own prompts, memory) is printed by that rank, prefixed with it,
@@ -54,6 +56,7 @@ from zero3_load import checkpoint_files, local_dir
 from zero3_utils import process_rank
 
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM = 2, 3, 4
+EXIT_SERVER = 6  # vllm_server.ServerError's exit_code (that file imports no checks.py)
 
 
 class RunError(RuntimeError):
@@ -533,7 +536,16 @@ def check_partitioned_loading(models):
             raise RunError(f"{flag} {path}: {e}") from None
 
 
-def check_vllm(use_vllm, tensor_parallel_size, world):
+def check_vllm(use_vllm, tensor_parallel_size, world, mode="colocate"):
+    if mode not in ("colocate", "server"):
+        raise RunError(f"--vllm_mode {mode}: choose colocate or server")
+    if mode == "server" and not use_vllm:
+        raise RunError("--vllm_mode server needs --use_vllm True")
+    if mode == "server" and tensor_parallel_size != 1:
+        raise RunError(
+            "--vllm_tensor_parallel_size is colocate mode's; a server's tensor parallelism is the "
+            "number of its devices (VLLM_DEVICES=6,7 bash run.sh ...)"
+        )
     if not use_vllm:
         return
     try:

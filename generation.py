@@ -19,6 +19,7 @@ Public API
         .generate(prompts, num_generations=1, max_new_tokens=64, temperature=1.0, top_p=1.0,
                   top_k=0, greedy=False, stop_token_ids=None) -> Generations (with logprobs)
         .sync_weights(model_or_engine, max_numel=2**26)  stream training weights into vLLM in place
+        .last_sync_seconds                               wall seconds of the latest sync
         .sleep() / .wake_up()                            free/restore the KV cache (GPU), else no-op
     attn_implementation_for(model_path, requested)   "eager" under an attention soft-cap
     Generations: completion_ids (N*G, C) long, pad after EOS; completion_mask (N*G, C) long, 1 up to
@@ -34,6 +35,7 @@ layer by layer; measured between gathered and sharded on both speed and memory (
 """
 
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -213,10 +215,14 @@ def attn_implementation_for(model_path, requested="sdpa"):
 def _vllm_reload_weights(llm, weights):
     # vllm 0.32.0: with distributed_executor_backend="external_launcher" the executor runs the
     # worker in this process (driver_worker is a WorkerWrapperBase around the GPU/CPU worker), so
-    # an iterator of tensors can be handed over without serialising. reload_weights copies each
-    # checkpoint-format (name, tensor) into the live parameters; `model.load_weights` does not
-    # work on the CPU backend.
-    worker = llm.llm_engine.model_executor.driver_worker.worker
+    # an iterator of tensors can be handed over without serialising.
+    _vllm_load_into_worker(llm.llm_engine.model_executor.driver_worker.worker, weights)
+
+
+def _vllm_load_into_worker(worker, weights):
+    # vllm 0.32.0: reload_weights copies each checkpoint-format (name, tensor) into the live
+    # parameters; `model.load_weights` does not work on the CPU backend. Also the server's workers
+    # (vllm_server.WeightSyncExtension).
     worker.reload_weights(weights_iterator=weights)
     # vllm 0.32.0 CPU: process_weights_after_loading packs each linear's weight into a private
     # copy for its GEMM kernel, and reload_weights redoes that only for the layers it loaded. A
@@ -288,6 +294,7 @@ class VLLMGenerator:
             **llm_kwargs,
         )
         self.asleep = False
+        self.last_sync_seconds = 0.0  # wall seconds of the latest sync_weights (logged per step)
         self.pad_token_id = getattr(self.llm.get_tokenizer(), "pad_token_id", None) or 0
 
     def generate(
@@ -351,8 +358,10 @@ class VLLMGenerator:
     def sync_weights(self, model_or_engine, max_numel=2**26):
         """Stream the training weights into vLLM in place (collective: every rank calls it)."""
         self._check_awake()
+        t0 = time.time()
         _vllm_reload_weights(self.llm, iter_full_params(model_or_engine, max_numel=max_numel))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.last_sync_seconds = time.time() - t0
 
     def _check_awake(self):
         if self.asleep:

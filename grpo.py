@@ -96,11 +96,12 @@ from checks import (
 )
 from data import batch_rows
 from fit import KnobAdapter, estimate_run_memory, fit_to_budget
-from generation import VLLMGenerator, attn_implementation_for, generate_hf, unwrap_for_generation
+from generation import attn_implementation_for, generate_hf, unwrap_for_generation
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import reward_functions, score_completions
+from vllm_server import vllm_generator
 from zero3_load import is_stage3, load_model
 from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
 
@@ -281,7 +282,13 @@ class Args:
     max_completion_length: int = arg(2, "C: new tokens per completion", ">= 1")
     temperature: float = arg(1.0, "sampling temperature (log-probs use it too)", "> 0")
     top_p: float = arg(1.0, "nucleus sampling", "(0, 1]")
-    use_vllm: bool = arg(False, "generate with a colocated vLLM engine per rank")
+    use_vllm: bool = arg(False, "generate with vLLM (--vllm_mode: colocated, or a server)")
+    vllm_mode: str = arg(
+        "colocate",
+        "colocate: a vLLM engine per rank (or TP group); server: one vLLM server (run.sh "
+        "VLLM_DEVICES=...)",
+    )
+    vllm_server_url: str = arg("http://127.0.0.1:8000", "server mode: the vLLM server's address")
     gather_for_generation: bool = arg(
         True,
         "ZeRO-3: gather to generate (fast); False: sharded, layer by layer (fits)",
@@ -463,6 +470,8 @@ MEMORY_KNOBS = (
     "generation_resident_gb",
     "vllm_batch_size",
     "vllm_gpu_memory_utilization",
+    "vllm_mode",
+    "vllm_server_url",
     "ref_offload",
     "partitioned_loading",
     "max_bad_steps",
@@ -475,7 +484,7 @@ def preflight(args, rank, world):
     """Every input checked before a model loads or a step runs; each failure a RunError saying what
     to change. run.sh runs this once in one process first (--preflight True); each rank runs it
     again."""
-    check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world)
+    check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
     # before anything is written to run_dir
     check_new_run(args.run_dir, args.resume, args.overwrite)
     # data, model, rewards
@@ -692,17 +701,15 @@ def main(argv=None):
         ref = frozen_engine(ref_model, ds_config, offload=args.ref_offload)
     vllm = None
     if args.use_vllm:
-        vllm = VLLMGenerator(
+        vllm = vllm_generator(
+            args,
             model_path,
-            tensor_parallel_size=args.vllm_tensor_parallel_size,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            vllm_batch_size=args.vllm_batch_size,
-            seed=args.seed,
-            max_model_len=min(
+            dtype,
+            min(
                 args.max_prompt_length + args.max_completion_length,
                 model.config.max_position_embeddings,
             ),
-            dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+            tokenizer.pad_token_id,
         )
 
     start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
@@ -844,6 +851,7 @@ def main(argv=None):
             "tokens_per_s": seq_stats[:, 1].sum().item() / dt,
             "step_s": dt,
             "rollout_s": t_rollout,
+            "weight_sync_s": vllm.last_sync_seconds if vllm is not None else 0.0,
             "update_s": t_update,
             "elapsed_s": time.time() - t_start,
             **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase

@@ -5,6 +5,7 @@ Launch (see run.sh, which wires this through torchrun and a DeepSpeed JSON):
     bash run.sh ppo                               # default task: tiny actor and critic, ZeRO-3
     bash run.sh ppo --max_steps 2 --packing True  # extra args go to Args below
     bash run.sh ppo --reward_model path/to/rm     # a sequence-classification reward model (1 label)
+    bash run.sh ppo --use_vllm True               # vLLM generation (VLLM_DEVICES=...: a server)
     python -m torch.distributed.run --nproc_per_node 2 ppo.py --ds_config configs/zero3.json ...
 
 One step: each rank takes `prompts_per_rank` prompts, samples `num_generations` completions
@@ -39,11 +40,11 @@ Shared with grpo.py: tasks.py (task, rewards), data.py (--data, data order), bat
 micro-batches, collectives), runlog.py (run files), memory.py (peak memory per phase, OOM_HINTS),
 fit.py (--estimate_memory, --memory_budget_gb), checks.py (inputs checked up front, exit codes,
 non-finite steps), checkpoint.py (atomic checkpoints of actor and critic, resume);
-logprobs.model_logps scores padded and packed rows.
+logprobs.model_logps scores padded and packed rows; generation.py and vllm_server.py (HF or vLLM
+generation, colocated or a server, the same flags as grpo.py's).
 Under ZeRO-3 all four models are built already partitioned, each rank reading only its own
 shard of the checkpoints (zero3_load.py; --partitioned_loading False: the full load).
-Limits: the reward model must share the actor's tokenizer (token ids are passed as they are);
-no vLLM path yet.
+Limits: the reward model must share the actor's tokenizer (token ids are passed as they are).
 """
 
 import json
@@ -100,6 +101,7 @@ from checks import (
     check_model_path,
     check_partitioned_loading,
     check_sequence_classifier,
+    check_vllm,
     entry_code,
     exit_process,
     load_tokenizer,
@@ -112,6 +114,7 @@ from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, positions_fro
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import RewardError, reward_functions, score_completions
+from vllm_server import vllm_generator
 from zero3_load import load_model
 from zero3_utils import frozen_config, frozen_engine, gathered, load_ds_config, save_hf
 
@@ -282,6 +285,16 @@ class Args:
         ">= 0",
     )
     generation_batch_size: int = arg(256, "HF generate: sequences per call", ">= 1")
+    use_vllm: bool = arg(False, "generate with vLLM (--vllm_mode: colocated, or a server)")
+    vllm_mode: str = arg(
+        "colocate",
+        "colocate: a vLLM engine per rank (or TP group); server: one vLLM server (run.sh "
+        "VLLM_DEVICES=...)",
+    )
+    vllm_server_url: str = arg("http://127.0.0.1:8000", "server mode: the vLLM server's address")
+    vllm_batch_size: int = arg(0, "vLLM: prompts per call, 0 = all at once", ">= 0")
+    vllm_gpu_memory_utilization: float = arg(0.3, "vLLM's share of GPU memory", "(0, 1]")
+    vllm_tensor_parallel_size: int = arg(1, "ranks sharing one vLLM engine", ">= 1")
     # rewards, advantages, losses and the update
     kl_coef: float = arg(
         0.01,
@@ -440,6 +453,10 @@ MEMORY_KNOBS = (
     "generation_batch_size",
     "gather_for_generation",
     "generation_resident_gb",
+    "vllm_batch_size",
+    "vllm_gpu_memory_utilization",
+    "vllm_mode",
+    "vllm_server_url",
     "frozen_offload",
     "partitioned_loading",
     "max_bad_steps",
@@ -452,6 +469,7 @@ def preflight(args, rank, world):
     """Every input checked before a model loads or a step runs; each failure a RunError saying what
     to change. run.sh runs this once in one process first (--preflight True); each rank runs it
     again."""
+    check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
     # before anything is written to run_dir
     check_new_run(args.run_dir, args.resume, args.overwrite)
     # data, model, rewards
@@ -493,8 +511,17 @@ def preflight(args, rank, world):
 
 
 # ---- Rollout: generate, score (batching.py encodes and pads, tasks.py has the rule rewards) ------
-def generate(engine, tokenizer, prompt_ids, args, num_generations):
-    """G completions of each prompt, prompt-major, from the actor (HF generate)."""
+def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
+    """G completions of each prompt, prompt-major, from the actor (HF generate) or vLLM."""
+    if vllm is not None:
+        return vllm.generate(
+            prompt_ids,
+            stop_token_ids=args.stop_ids,  # eos ids and the chat template's end of turn
+            num_generations=num_generations,
+            max_new_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+        )
     with unwrap_for_generation(
         engine,
         gather=args.gather_for_generation,
@@ -744,7 +771,7 @@ def train_on_batch(actor, critic, batch, args, device):
 
 # ---- Evaluation ----------------------------------------------------------------------------------
 # Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
-def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
+def evaluate(engine, vllm, reward_model, tokenizer, rows, args, rank, world, device):
     """Held-out mean score and accuracy (0 with a reward model): one sampled completion per
     prompt."""
     if not rows:
@@ -752,7 +779,7 @@ def evaluate(engine, reward_model, tokenizer, rows, args, rank, world, device):
     mine = rows[rank::world]
     torch.manual_seed(args.seed + 12345 + rank)  # the same eval samples at every point of a run
     prompt_ids = encode_prompts(tokenizer, mine, args.max_prompt_length, args.template_kwargs)
-    gens = generate(engine, tokenizer, prompt_ids, args, 1)
+    gens = generate(engine, vllm, tokenizer, prompt_ids, args, 1)
     completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
     batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
     total, per_func = score(
@@ -837,6 +864,11 @@ def main(argv=None):
             **attn,
         )
         reward_model = frozen_model(rm, frozen_ds, stage, args.frozen_offload, device)
+    vllm = None
+    if args.use_vllm:  # the same generator and knobs as grpo.py's
+        max_len = args.max_prompt_length + args.max_completion_length
+        max_len = min(max_len, model.config.max_position_embeddings)
+        vllm = vllm_generator(args, model_path, dtype, max_len, tokenizer.pad_token_id)
 
     start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
     # one sub-dir each in checkpoints/step<N>/ (checkpoint.py)
@@ -860,8 +892,11 @@ def main(argv=None):
     )
 
     def held_out(step, when):
+        if vllm is not None:
+            vllm.wake_up()
+            vllm.sync_weights(engine)
         reward, acc = evaluate(
-            engine, reward_model, tokenizer, eval_rows, args, rank, world, device
+            engine, vllm, reward_model, tokenizer, eval_rows, args, rank, world, device
         )
         say(
             f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} "
@@ -893,8 +928,14 @@ def main(argv=None):
         # 3. rollout and scores ----------------------------------------------------------------
         rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N : (rank + 1) * N]
         prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length, args.template_kwargs)
+        if vllm is not None:
+            with ledger.phase("weight_sync"):
+                vllm.wake_up()  # KV cache and weights back from sleep (no-op where unsupported)
+                vllm.sync_weights(engine)
         with ledger.phase("rollout"):
-            gens = generate(engine, tokenizer, prompt_ids, args, G)
+            gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
+            if vllm is not None:
+                vllm.sleep()  # free vLLM's KV cache while the trainer works (GPU; CPU: a no-op)
             completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
             batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
             plan = plan_micro_batches(batch, args.micro, args.max_tokens_per_microbatch)
@@ -966,6 +1007,7 @@ def main(argv=None):
             "tokens_per_s": seq_stats[:, 1].sum().item() / dt,
             "step_s": dt,
             "rollout_s": t_rollout,
+            "weight_sync_s": vllm.last_sync_seconds if vllm is not None else 0.0,
             "update_s": t_update,
             "elapsed_s": time.time() - t_start,
             **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
@@ -1046,7 +1088,9 @@ def main(argv=None):
         ]
     )
     dist.barrier()
-    dist.destroy_process_group()
+    # vLLM's exit handler tears down its own groups and needs the default one alive
+    if vllm is None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

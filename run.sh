@@ -17,6 +17,14 @@
 #                ..., "answer": ...}, a datasets directory or a hub id (data.py)
 #   RUN_DIR      where metrics, checkpoints and the final model go (default runs/<algo>-<time>);
 #                resume with RUN_DIR=<that dir> bash run.sh grpo --resume True
+#   VLLM_DEVICES vLLM on devices of its own (--vllm_mode server): e.g. 6,7 starts one vLLM server on
+#                GPUs 6 and 7 (tensor parallel over both) and torchrun on the other GPUs (NPROC
+#                defaults to their number, CUDA_VISIBLE_DEVICES to their list); on a CPU-only machine
+#                any value (say "cpu") starts one vLLM CPU process. Adds --use_vllm True --vllm_mode
+#                server --vllm_server_url http://127.0.0.1:<free port>; the server's log is
+#                <run dir>/vllm_server.log; it is stopped when the run ends, fails or is interrupted.
+#                VLLM_SERVER_ARGS: more `vllm serve` flags (e.g. "--max-model-len 4096");
+#                VLLM_START_TIMEOUT: seconds to wait for it to answer (default 600)
 #   PREFLIGHT    0 skips the one-process check of every input before torchrun (default 1)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get, after SIGTERM or Ctrl-C, to finish their
 #                step and save a checkpoint before torchrun kills them (default here 300; torch's: 30)
@@ -25,7 +33,8 @@
 # SIGTERM or Ctrl-C after finishing a step and saving its checkpoint (continue with --resume True);
 # once torchrun runs, it exits 1 when a rank fails and its summary shows the rank's code: 2 bad input
 # (e.g. a reward function that raised), 3 training diverged (non-finite steps in a row), 4 out of
-# memory (the message names the phase and the knob).
+# memory (the message names the phase and the knob). 6: the vLLM server (VLLM_DEVICES) did not answer
+# or died; the message names its address and log file.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -37,6 +46,13 @@ if [[ $# -gt 0 && ( $1 == grpo || $1 == ppo ) ]]; then ALGO=$1; shift; fi
 [[ -f $ALGO.py ]] || { echo "run.sh: $ALGO.py not found" >&2; exit 1; }
 
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [[ -n ${VLLM_DEVICES:-} && $GPUS -gt 0 ]]; then   # training keeps the GPUs the server does not take
+  IFS=, read -ra all_devs <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( GPUS - 1 )))}"
+  IFS=, read -ra server_devs <<< "$VLLM_DEVICES"
+  train_devs=(); for d in "${all_devs[@]}"; do [[ ,$VLLM_DEVICES, == *,$d,* ]] || train_devs+=("$d"); done
+  (( ${#train_devs[@]} > 0 )) || { echo "run.sh: VLLM_DEVICES=$VLLM_DEVICES leaves no GPU to train on" >&2; exit 2; }
+  GPUS=${#train_devs[@]}
+fi
 NPROC=${NPROC:-$(( GPUS > 0 ? GPUS : 2 ))}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # less fragmentation with changing sequence lengths
 export TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
@@ -69,6 +85,48 @@ if [[ ${PREFLIGHT:-1} != 0 ]]; then
   WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) python "$ALGO.py" "${args[@]}" "$@" --preflight True || exit $?
 fi
 
+# Server mode: one vLLM server in a session of its own, started after the pre-flight (which builds the
+# built-in task's model), stopped with its whole process group (API server, engine core, workers) on
+# every way out of this script: the end of the run, a failure, a signal.
+server=""
+stop_server() {
+  [[ -n $server ]] || return 0
+  kill -TERM -- -"$server" 2>/dev/null
+  for _ in $(seq 1 30); do kill -0 -- -"$server" 2>/dev/null || return 0; sleep 1; done
+  kill -KILL -- -"$server" 2>/dev/null; return 0
+}
+if [[ -n ${VLLM_DEVICES:-} ]]; then
+  [[ ${NNODES:-1} == 1 ]] || { echo "run.sh: VLLM_DEVICES runs its server beside a one-node run" >&2; exit 2; }
+  model=${MODEL:-}; prev=""; for a in "$@"; do [[ $prev == --model ]] && model=$a; prev=$a; done
+  model=${model:-$run_dir/model}   # the built-in task's model, built by the pre-flight
+  port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  url=http://127.0.0.1:$port server_log=$run_dir/vllm_server.log tp=1
+  [[ $GPUS -gt 0 ]] && tp=${#server_devs[@]}
+  mkdir -p "$run_dir"
+  trap stop_server EXIT
+  # shellcheck disable=SC2086   # VLLM_SERVER_ARGS: several flags in one string
+  if [[ $GPUS -gt 0 ]]; then
+    CUDA_VISIBLE_DEVICES=$VLLM_DEVICES setsid python vllm_server.py "$model" "$port" 127.0.0.1 "$tp" ${VLLM_SERVER_ARGS:-} >"$server_log" 2>&1 &
+    server=$!; export CUDA_VISIBLE_DEVICES; CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${train_devs[*]}")
+  else   # CPU: fp32 as the CPU trainer (not the config's dtype); eager: starts without compiling
+    setsid python vllm_server.py "$model" "$port" 127.0.0.1 1 --dtype float32 --enforce-eager ${VLLM_SERVER_ARGS:-} >"$server_log" 2>&1 &
+    server=$!
+  fi
+  echo "$server" > "$run_dir/vllm_server.pid"
+  echo "run.sh: vLLM server (pid $server) starting at $url on ${VLLM_DEVICES}; log: $server_log" >&2
+  started=$(date +%s)
+  until python -c "import urllib.request as u; u.urlopen('$url/v1/models', timeout=5)" 2>/dev/null; do
+    if ! kill -0 "$server" 2>/dev/null || (( $(date +%s) - started > ${VLLM_START_TIMEOUT:-600} )); then
+      echo "run.sh: the vLLM server at $url did not answer (it exited or took over" \
+           "${VLLM_START_TIMEOUT:-600} s); its log: $server_log" >&2
+      exit 6
+    fi
+    sleep 2
+  done
+  echo "run.sh: vLLM server answers at $url after $(( $(date +%s) - started )) s" >&2
+  args+=(--use_vllm True --vllm_mode server --vllm_server_url "$url")
+fi
+
 # Preemption: SIGTERM (what a scheduler sends before it kills a job) or Ctrl-C goes to torchrun, which
 # passes it on to the ranks; they finish the step in progress, save its checkpoint and exit 5
 # (checkpoint.StopOnSignal), and torchrun ends with its own exit 1. This script then exits 5 when that
@@ -90,5 +148,9 @@ if [[ -n $signal && -f $latest && $(stat -c %Y "$latest") -ge $signal_at ]]; the
   echo "run.sh: stopped by SIG$signal with a checkpoint ($(cat "$latest")); continue with" \
        "RUN_DIR=$run_dir bash run.sh $ALGO ... --resume True" >&2
   exit 5
+fi
+if [[ -n $server && $rc != 0 ]] && ! kill -0 "$server" 2>/dev/null; then
+  echo "run.sh: the vLLM server at $url died during the run; its log: $server_log" >&2
+  exit 6
 fi
 exit $rc

@@ -1,7 +1,9 @@
 """Generation throughput and memory per rank, side by side in one run (2 ranks, ZeRO-3).
 
 Modes: HF generate with the model ZeRO-3 gathered / sharded / middle (half the parameter bytes
-resident), vLLM with vllm_batch_size off / on, plus the vLLM weight sync. Per mode: tokens/s
+resident), vLLM with vllm_batch_size off / on, plus the vLLM weight sync; with --server True also a
+vLLM server (vllm_server.py, one CPU process started here by rank 0) that both ranks send their
+prompts to, off / on, and its weight sync (gloo stream from rank 0). Per mode: tokens/s
 (all ranks' completion tokens over the slowest rank's wall time), the peak bytes of full parameters
 held by one rank while generating (HF modes; vLLM holds a full copy plus its KV cache), and the
 peak RSS rise of the process during the mode (gather included; meaningful on CPU with
@@ -40,6 +42,9 @@ class Args:
         default=4, metadata={"help": "prompts per vLLM call in the 'on' mode"}
     )
     skip_vllm: bool = field(default=False, metadata={"help": "HF modes only"})
+    server: bool = field(
+        default=False, metadata={"help": "also a vLLM server (vllm_server.py) beside the ranks"}
+    )
     mmap_rss: bool = field(
         default=False,
         metadata={
@@ -113,6 +118,66 @@ def total(x):
     return t.item()
 
 
+def server_rows(a, engine, prompts, model_dir, record):
+    """The server rows: rank 0 starts a vLLM CPU server on model_dir (own session), both ranks
+    send their prompts to it; it is stopped with its process group at the end."""
+    import signal
+    import subprocess
+    import urllib.request
+
+    from vllm_server import VLLMServerGenerator
+
+    rank = dist.get_rank()
+    url = [None]
+    proc = None
+    if rank == 0:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        argv = [sys.executable, os.path.join(root, "vllm_server.py"), model_dir, str(port)]
+        argv += ["127.0.0.1", "1", "--dtype", "float32", "--max-model-len", "256"]
+        argv += ["--enforce-eager"]
+        log = open(os.path.join(a.out_dir, "vllm_server.log"), "w")
+        env = {**os.environ, "PYTHONPATH": root}
+        proc = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root
+        )
+        url[0] = f"http://127.0.0.1:{port}"
+        while True:
+            try:
+                urllib.request.urlopen(url[0] + "/v1/models", timeout=5)
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vLLM server failed; see {log.name}") from None
+                time.sleep(2)
+    dist.broadcast_object_list(url, src=0)
+    try:
+        gen = VLLMServerGenerator(url[0])
+        gen.sync_weights(engine)  # first one: also creates the weight group
+        gen.generate(prompts[:2], max_new_tokens=2, greedy=True)  # warm-up
+        _, sync_s = timed(lambda: gen.sync_weights(engine))
+        for name, size in (
+            ("vLLM server, vllm_batch_size off", 0),
+            (f"vLLM server, vllm_batch_size={a.vllm_batch_size}", a.vllm_batch_size),
+        ):
+            gen.vllm_batch_size = size
+            with PeakRSS() as rss:
+                out, sec = timed(
+                    lambda: gen.generate(prompts, max_new_tokens=a.max_new_tokens, greedy=True)
+                )
+            # a training rank holds no full copy: the server's workers do, in their process
+            record(name, sec, out.completion_mask.sum().item(), 0, rss.peak - rss.base, sync_s)
+    finally:
+        dist.barrier()
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+
+
 def main():
     import deepspeed
     from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
@@ -162,7 +227,7 @@ def main():
     )
     rows = []
 
-    def record(name, seconds, tokens, params_bytes, rss):
+    def record(name, seconds, tokens, params_bytes, rss, sync_s=None):
         rows.append(
             {
                 "mode": name,
@@ -170,6 +235,7 @@ def main():
                 "seconds": seconds,
                 "param_mib_per_rank": params_bytes / 2**20,
                 "rss_rise_mib": rss / 2**20,
+                "sync_s": sync_s,
             }
         )
         if rank == 0:
@@ -213,7 +279,17 @@ def main():
                 out, sec = timed(
                     lambda: gen.generate(prompts, max_new_tokens=a.max_new_tokens, greedy=True)
                 )
-            record(name, sec, out.completion_mask.sum().item(), model_bytes, rss.peak - rss.base)
+            record(
+                name,
+                sec,
+                out.completion_mask.sum().item(),
+                model_bytes,
+                rss.peak - rss.base,
+                sync_s,
+            )
+
+    if a.server and not a.skip_vllm:
+        server_rows(a, engine, prompts, saved, record)
 
     if rank == 0:
         by = {r["mode"]: r for r in rows}
@@ -246,6 +322,17 @@ def main():
                 f"vllm_batch_size={a.vllm_batch_size} / off: "
                 f"{vb['tokens_per_s'] / v0['tokens_per_s']:.2f}x tokens/s; "
                 f"weight sync {sync_s:.2f} s"
+            ]
+        if a.server and not a.skip_vllm:
+            s0, sb = by["vLLM server, vllm_batch_size off"], rows[-1]
+            lines += [
+                f"vLLM server / colocated (batch size off): "
+                f"{s0['tokens_per_s'] / v0['tokens_per_s']:.2f}x tokens/s; "
+                f"vllm_batch_size={a.vllm_batch_size} / off: "
+                f"{sb['tokens_per_s'] / s0['tokens_per_s']:.2f}x tokens/s; weight sync "
+                f"{s0['sync_s']:.2f} s (colocated {sync_s:.2f} s); full parameters per training "
+                f"rank {s0['param_mib_per_rank']:.0f} MiB "
+                f"(colocated {v0['param_mib_per_rank']:.0f})"
             ]
         print("\n".join(lines), flush=True)
         with open(os.path.join(a.out_dir, "results.json"), "w") as f:

@@ -1,0 +1,150 @@
+"""vLLM server mode (vllm_server.py) on CPU, real processes: one vLLM CPU server, 2 ZeRO-3 ranks.
+
+- tests/dist_vllm_server.py: server greedy == HF greedy, vllm_batch_size chunks in order, sampler
+  log-probs == HF's (< 1e-3), after 2 steps and a sync server == updated HF (!= before).
+- `bash run.sh ppo --use_vllm True` for 2 steps, colocated and with VLLM_DEVICES (server mode);
+  the server is gone afterwards.
+- The server killed mid-run: run.sh exits 6 naming its address and log; no process left behind.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+import conftest
+from conftest import ROOT, free_port, torchrun, train_rows
+
+pytest.importorskip("vllm")
+
+SMALL = [
+    "--prompts_per_rank",
+    "2",
+    "--num_generations",
+    "2",
+    "--num_eval_prompts",
+    "0",
+    "--micro_train_batch_size",
+    "4",
+    "--save_model",
+    "False",
+]
+
+
+def session_processes(sid):
+    """pids of the live (not zombie) processes in session `sid`."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat="], capture_output=True, text=True)
+    rows = [line.split() for line in out.stdout.splitlines()]
+    return [int(p) for p, s, stat in rows if int(s) == sid and not stat.startswith("Z")]
+
+
+def processes_mentioning(text):
+    out = subprocess.run(["ps", "-e", "-o", "pid=,args="], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if text in line and "ps -e" not in line]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """One vLLM CPU server on tiny_model (its own session); stopped with its group."""
+    port, log = free_port(), tmp_path_factory.mktemp("server") / "vllm_server.log"
+    argv = [sys.executable, "vllm_server.py", tiny_model, str(port), "127.0.0.1", "1"]
+    argv += ["--dtype", "float32", "--max-model-len", "128", "--enforce-eager"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=5)
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    pytest.fail(f"vLLM server did not start:\n{log.read_text()[-4000:]}")
+                time.sleep(2)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(1)
+        for pid in session_processes(proc.pid):  # vLLM's engine core and workers too
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_server_generation_logprobs_and_sync(tiny_model, server):
+    """Greedy == HF, batches in order, sampler log-probs == HF (< 1e-3), sync after 2 steps."""
+    proc = torchrun("tests/dist_vllm_server.py", tiny_model, server)
+    assert proc.stdout.count("DONE") == 2, proc.stdout[-3000:]
+    assert "OK weight sync" in proc.stdout
+
+
+def test_unreachable_server_error():
+    """One message naming the address and the log file, and the documented exit code."""
+    import checks
+    from vllm_server import ServerError, VLLMServerGenerator
+
+    assert ServerError.exit_code == checks.EXIT_SERVER == 6
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerError, match=f"{url}.*unreachable.*its log: /x/vllm_server.log"):
+        VLLMServerGenerator(url, log_file="/x/vllm_server.log", wait=0)
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_run_sh_ppo_vllm(tmp_path, mode):
+    """2 PPO steps generating with vLLM, colocated or from a server run.sh starts and stops."""
+    run_dir = tmp_path / "run"
+    env = {"RUN_DIR": str(run_dir)} | ({"VLLM_DEVICES": "cpu"} if mode == "server" else {})
+    out = conftest.run_sh(
+        "ppo", *SMALL, "--max_steps", "2", "--use_vllm", "True", env=env, timeout=900
+    )
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2], out[-3000:]
+    assert all(r["weight_sync_s"] > 0 for r in rows)
+    if mode == "server":
+        assert "vLLM server answers at" in out
+        assert (run_dir / "vllm_server.log").stat().st_size > 0
+        pid = int((run_dir / "vllm_server.pid").read_text())
+        time.sleep(1)
+        assert session_processes(pid) == [], "the vLLM server outlived run.sh"
+
+
+def test_server_killed_mid_run(tmp_path):
+    """The server dies during training: run.sh exits 6 with one message naming the server's
+    address and log file, and no process of the run or the server is left."""
+    run_dir = tmp_path / "run"
+    proc = conftest.run_sh(
+        "ppo",
+        *SMALL,
+        "--max_steps",
+        "200",
+        env={"RUN_DIR": str(run_dir), "VLLM_DEVICES": "cpu"},
+        wait=False,
+    )
+    try:
+        deadline = time.time() + 900
+        while not (run_dir / "metrics.jsonl").exists() or not train_rows(run_dir):
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+            time.sleep(1)
+        pid = int((run_dir / "vllm_server.pid").read_text())
+        os.kill(pid, signal.SIGKILL)  # its API server; the engine core follows it
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 6, out[-4000:]
+    log = run_dir / "vllm_server.log"
+    assert f"died during the run; its log: {log}" in out, out[-3000:]
+    assert "error: the vLLM server at http://127.0.0.1:" in out, out[-3000:]
+    time.sleep(2)
+    assert session_processes(pid) == [], "a vLLM server process outlived run.sh"
+    assert processes_mentioning(str(run_dir)) == [], "a process of the run outlived run.sh"
