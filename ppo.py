@@ -122,7 +122,11 @@ from zero3_utils import frozen_config, frozen_engine, gathered, load_ds_config, 
 # memory)
 OOM_HINTS = {
     "rollout": "lower --generation_batch_size, or --gather_for_generation False (layer by layer; "
-    "--generation_resident_gb between the two), or a shorter --max_completion_length",
+    "--generation_resident_gb between the two), or a shorter --max_completion_length; vLLM: lower "
+    "--vllm_batch_size or --vllm_gpu_memory_utilization, or --vllm_mode server (vLLM on devices "
+    "of its own)",
+    "weight_sync": "lower --vllm_gpu_memory_utilization (vLLM's pool shares the GPU with the "
+    "trainer), or --vllm_mode server",
     "logprobs": "lower --micro_train_batch_size or set --max_tokens_per_microbatch; lower "
     "--logprob_chunk_size (tokens per log-prob tile); --frozen_offload True keeps the reference "
     "and reward shards in CPU memory; --packing True",
