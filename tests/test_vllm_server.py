@@ -136,15 +136,24 @@ def test_server_killed_mid_run(tmp_path):
             assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
             time.sleep(1)
         pid = int((run_dir / "vllm_server.pid").read_text())
-        os.kill(pid, signal.SIGKILL)  # its API server; the engine core follows it
+        # its API server only: the engine core and worker are left for run.sh to find and stop
+        os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # the test failed: stop run.sh so its trap stops the server
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        time.sleep(2)
+        pid_file = run_dir / "vllm_server.pid"
+        left = session_processes(int(pid_file.read_text())) if pid_file.exists() else []
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)  # nothing outlives the test, whatever it found
     assert proc.returncode == 6, out[-4000:]
     log = run_dir / "vllm_server.log"
     assert f"died during the run; its log: {log}" in out, out[-3000:]
     assert "error: the vLLM server at http://127.0.0.1:" in out, out[-3000:]
-    time.sleep(2)
-    assert session_processes(pid) == [], "a vLLM server process outlived run.sh"
+    assert left == [], "a vLLM server process outlived run.sh"
     assert processes_mentioning(str(run_dir)) == [], "a process of the run outlived run.sh"
