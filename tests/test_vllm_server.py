@@ -1,7 +1,7 @@
 """vLLM server mode (vllm_server.py) on CPU, real processes: one vLLM CPU server, 2 ZeRO-3 ranks.
 
-- tests/dist_vllm_server.py: server greedy == HF greedy, vllm_batch_size chunks in order, sampler
-  log-probs == HF's (< 1e-3), after 2 steps and a sync server == updated HF (!= before).
+- tests/dist_vllm_server.py: server greedy == HF == colocated, vllm_batch_size chunks in order,
+  sampler log-probs == HF's (< 1e-3), after 2 steps and a sync server == updated HF (!= before).
 - `bash run.sh ppo --use_vllm True` for 2 steps, colocated and with VLLM_DEVICES (server mode);
   the server is gone afterwards.
 - The server killed mid-run: run.sh exits 6 naming its address and log; no process left behind.
@@ -82,7 +82,8 @@ def server(tiny_model, tmp_path_factory):
 
 
 def test_server_generation_logprobs_and_sync(tiny_model, server):
-    """Greedy == HF, batches in order, sampler log-probs == HF (< 1e-3), sync after 2 steps."""
+    """Greedy == HF == colocated, batches in order, sampler log-probs == HF (< 1e-3), sync after
+    2 steps."""
     proc = torchrun("tests/dist_vllm_server.py", tiny_model, server)
     assert proc.stdout.count("DONE") == 2, proc.stdout[-3000:]
     assert "OK weight sync" in proc.stdout
