@@ -2,10 +2,9 @@
 check in one server start-up. Run by tests/test_vllm_server.py; argv: model_dir url. Rank 0 prints
 "OK <name>" per check.
 
-Server greedy == HF greedy (colocated vLLM == HF greedy on the same model: test_vllm_generation, so
-server == colocated); vllm_batch_size=3 == one request; sampler log-probs == HF log-softmax
-(< 1e-3); after 2 training steps and sync_weights, server greedy == the updated HF model's and !=
-before.
+Server greedy == HF greedy == colocated vLLM greedy (one engine per rank); vllm_batch_size=3 == one
+request; sampler log-probs == HF log-softmax (< 1e-3); after 2 training steps and sync_weights,
+server greedy == the updated HF model's and != before.
 """
 
 import sys
@@ -18,7 +17,7 @@ def main(model_dir, url):
     import deepspeed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from generation import generate_hf, unwrap_for_generation
+    from generation import VLLMGenerator, generate_hf, unwrap_for_generation
     from vllm_server import VLLMServerGenerator
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -57,6 +56,12 @@ def main(model_dir, url):
         f"HF greedy != server greedy\n{hf_before.completion_ids}\n{split.completion_ids}"
     )
     ok("server greedy == HF greedy")
+    colocated = VLLMGenerator(model_dir, max_model_len=128, dtype="float32", enforce_eager=True)
+    local = colocated.generate(prompts, max_new_tokens=8, greedy=True)
+    assert torch.equal(local.completion_ids, split.completion_ids), (
+        f"colocated greedy != server greedy\n{local.completion_ids}\n{split.completion_ids}"
+    )
+    ok("server greedy == colocated greedy")
 
     smp = gen.generate(prompts, num_generations=2, max_new_tokens=6, temperature=1.0)
     assert smp.logprobs.shape == smp.completion_ids.shape == (2 * len(prompts), 6)

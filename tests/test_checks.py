@@ -234,6 +234,22 @@ def test_use_vllm_without_vllm(env, capsys, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("loop", [grpo, ppo], ids=["grpo", "ppo"])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--vllm_mode", "remote"], "--vllm_mode remote: choose colocate or server"),
+        (["--vllm_mode", "server"], "--vllm_mode server needs --use_vllm True"),
+        (
+            ["--use_vllm", "True", "--vllm_mode", "server", "--vllm_tensor_parallel_size", "2"],
+            "a server's tensor parallelism is the number of its devices",
+        ),
+    ],
+)
+def test_vllm_mode(env, capsys, loop, flags, message):
+    assert fails(capsys, preflight(loop.main, env, *flags), message)
+
+
 @pytest.mark.parametrize(
     "func,message",
     [

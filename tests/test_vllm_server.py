@@ -1,7 +1,7 @@
 """vLLM server mode (vllm_server.py) on CPU, real processes: one vLLM CPU server, 2 ZeRO-3 ranks.
 
-- tests/dist_vllm_server.py: server greedy == HF greedy, vllm_batch_size chunks in order, sampler
-  log-probs == HF's (< 1e-3), after 2 steps and a sync server == updated HF (!= before).
+- tests/dist_vllm_server.py: server greedy == HF == colocated, vllm_batch_size chunks in order,
+  sampler log-probs == HF's (< 1e-3), after 2 steps and a sync server == updated HF (!= before).
 - `bash run.sh ppo --use_vllm True` for 2 steps, colocated and with VLLM_DEVICES (server mode);
   the server is gone afterwards.
 - The server killed mid-run: run.sh exits 6 naming its address and log; no process left behind.
@@ -82,7 +82,8 @@ def server(tiny_model, tmp_path_factory):
 
 
 def test_server_generation_logprobs_and_sync(tiny_model, server):
-    """Greedy == HF, batches in order, sampler log-probs == HF (< 1e-3), sync after 2 steps."""
+    """Greedy == HF == colocated, batches in order, sampler log-probs == HF (< 1e-3), sync after
+    2 steps."""
     proc = torchrun("tests/dist_vllm_server.py", tiny_model, server)
     assert proc.stdout.count("DONE") == 2, proc.stdout[-3000:]
     assert "OK weight sync" in proc.stdout
@@ -136,15 +137,24 @@ def test_server_killed_mid_run(tmp_path):
             assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
             time.sleep(1)
         pid = int((run_dir / "vllm_server.pid").read_text())
-        os.kill(pid, signal.SIGKILL)  # its API server; the engine core follows it
+        # its API server only: the engine core and worker are left for run.sh to find and stop
+        os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # the test failed: stop run.sh so its trap stops the server
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        time.sleep(2)
+        pid_file = run_dir / "vllm_server.pid"
+        left = session_processes(int(pid_file.read_text())) if pid_file.exists() else []
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)  # nothing outlives the test, whatever it found
     assert proc.returncode == 6, out[-4000:]
     log = run_dir / "vllm_server.log"
     assert f"died during the run; its log: {log}" in out, out[-3000:]
     assert "error: the vLLM server at http://127.0.0.1:" in out, out[-3000:]
-    time.sleep(2)
-    assert session_processes(pid) == [], "a vLLM server process outlived run.sh"
+    assert left == [], "a vLLM server process outlived run.sh"
     assert processes_mentioning(str(run_dir)) == [], "a process of the run outlived run.sh"
