@@ -67,10 +67,10 @@ def test_ppo_adapting_run_equals_the_fixed_run(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
 
 
-@pytest.fixture
-def long_prompts(tmp_path):
+@pytest.fixture(scope="module")
+def long_prompts(tmp_path_factory):
     """201-token prompts: micro-batches of 32 x 233 tokens, activations the knob really moves."""
-    r, path = random.Random(0), tmp_path / "long.jsonl"
+    r, path = random.Random(0), tmp_path_factory.mktemp("data") / "long.jsonl"
     with open(path, "w") as f:
         for _ in range(32):
             digits = "".join(r.choice("0123456789") for _ in range(200))
@@ -82,9 +82,18 @@ LONG = ["--max_steps", "2", "--prompts_per_rank", "4", "--num_generations", "8"]
 LONG += ["--save_model", "False"]
 
 
-def test_budget_below_the_defaults_lowers_the_knobs_and_holds(tmp_path, long_prompts):
-    """The defaults (micro-batch 32) peak at ~0.68 GB per process in the update."""
-    budget = 0.65
+@pytest.fixture(scope="module")
+def default_peak(tmp_path_factory, long_prompts):
+    """The defaults' (micro-batch 32) highest measured phase, GB per process, in this
+    environment: the budgets below are set from it, not as fixed figures, because the runtime's
+    own resident set (torch, DeepSpeed, datasets' pyarrow) differs between installs. Measured
+    here: 0.68-0.78 GB, in the update."""
+    _, rows, _ = run(tmp_path_factory.mktemp("defaults"), "r", *LONG, *long_prompts)
+    return max(v for r in rows for k, v in r.items() if k.startswith("mem/"))
+
+
+def test_budget_below_the_defaults_lowers_the_knobs_and_holds(tmp_path, long_prompts, default_peak):
+    budget = round(0.95 * default_peak, 3)
     out, rows, _ = run(tmp_path, "r", *LONG, *long_prompts, "--memory_budget_gb", str(budget))
     assert "per_device_train_batch_size 32 -> " in out  # the pre-flight lowered it
     saved = json.load(open(tmp_path / "r" / "args.json"))
@@ -94,9 +103,10 @@ def test_budget_below_the_defaults_lowers_the_knobs_and_holds(tmp_path, long_pro
         assert peaks and max(peaks.values()) <= budget, (r["step"], peaks)
 
 
-def test_budget_just_above_the_defaults_changes_nothing(tmp_path, long_prompts):
-    out, rows, changes = run(tmp_path, "r", *LONG, *long_prompts, "--memory_budget_gb", "0.85")
+def test_budget_just_above_the_defaults_changes_nothing(tmp_path, long_prompts, default_peak):
+    budget = round(1.25 * default_peak, 3)  # the measured peak under the 90 % high-water mark
+    out, rows, changes = run(tmp_path, "r", *LONG, *long_prompts, "--memory_budget_gb", str(budget))
     assert "the knobs as given fit" in out and changes == []
     assert json.load(open(tmp_path / "r" / "args.json"))["per_device_train_batch_size"] == 32
     for r in rows:
-        assert max(v for k, v in r.items() if k.startswith("mem/")) <= 0.85
+        assert max(v for k, v in r.items() if k.startswith("mem/")) <= budget
