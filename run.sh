@@ -73,6 +73,12 @@ if [[ -n "${MODEL:-}" ]]; then
   [[ $ALGO == grpo ]] && args+=(--recipe pretrained)
 fi
 
+if [[ -n ${VLLM_DEVICES:-} ]]; then   # server mode's flags, known to the pre-flight too
+  port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  url=http://127.0.0.1:$port
+  args+=(--use_vllm True --vllm_mode server --vllm_server_url "$url")
+fi
+
 # One process first: --help, --estimate_memory, and the pre-flight check of every input (data, model,
 # tokenizer, rewards, DeepSpeed JSON vs arguments, resume), so bad input fails here with one message
 # and exit code 2, before torchrun starts any rank. PREFLIGHT=0 skips the check.
@@ -99,8 +105,7 @@ if [[ -n ${VLLM_DEVICES:-} ]]; then
   [[ ${NNODES:-1} == 1 ]] || { echo "run.sh: VLLM_DEVICES runs its server beside a one-node run" >&2; exit 2; }
   model=${MODEL:-}; prev=""; for a in "$@"; do [[ $prev == --model ]] && model=$a; prev=$a; done
   model=${model:-$run_dir/model}   # the built-in task's model, built by the pre-flight
-  port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  url=http://127.0.0.1:$port server_log=$run_dir/vllm_server.log tp=1
+  server_log=$run_dir/vllm_server.log tp=1
   [[ $GPUS -gt 0 ]] && tp=${#server_devs[@]}
   mkdir -p "$run_dir"
   trap stop_server EXIT
@@ -124,7 +129,6 @@ if [[ -n ${VLLM_DEVICES:-} ]]; then
     sleep 2
   done
   echo "run.sh: vLLM server answers at $url after $(( $(date +%s) - started )) s" >&2
-  args+=(--use_vllm True --vllm_mode server --vllm_server_url "$url")
 fi
 
 # Preemption: SIGTERM (what a scheduler sends before it kills a job) or Ctrl-C goes to torchrun, which

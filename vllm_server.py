@@ -272,6 +272,10 @@ class VLLMServerGenerator:
         """Stream the training weights to the server's workers (collective: every rank calls it;
         rank 0 sends, the others take part in the ZeRO-3 gathers)."""
         t0 = time.time()
+        if dist.is_initialized():
+            # every rank's requests answered first: the workers' receive below blocks the engine,
+            # so a request still in flight would never return and its rank never join the gathers
+            dist.barrier()
         if self.rank == 0:
             if self.group is None:
                 self._connect()
