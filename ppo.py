@@ -41,7 +41,8 @@ micro-batches, collectives), runlog.py (run files), memory.py (peak memory per p
 fit.py (--estimate_memory, --memory_budget_gb), checks.py (inputs checked up front, exit codes,
 non-finite steps), checkpoint.py (atomic checkpoints of actor and critic, resume);
 logprobs.model_logps scores padded and packed rows; generation.py and vllm_server.py (HF or vLLM
-generation, colocated or a server, the same flags as grpo.py's).
+generation, colocated or a server, the same flags as grpo.py's). PPO's own: critic.py (the value
+model and its forward).
 Under ZeRO-3 all four models are built already partitioned, each rank reading only its own
 shard of the checkpoints (zero3_load.py; --partitioned_loading False: the full load).
 Limits: the reward model must share the actor's tokenizer (token ids are passed as they are).
@@ -60,7 +61,6 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import (
     AutoConfig,
-    AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
 )
@@ -75,9 +75,7 @@ from batching import (
     make_batch,
     micro_batches,
     mini_batch_plans,
-    pack,
     plan_micro_batches,
-    unpack,
 )
 from checkpoint import (
     StopOnSignal,
@@ -107,6 +105,7 @@ from checks import (
     load_tokenizer,
     parse_args_quietly,
 )
+from critic import build_critic, forward_values
 from data import batch_rows
 from fit import KnobAdapter, estimate_run_memory, fit_to_budget
 from generation import attn_implementation_for, generate_hf, unwrap_for_generation
@@ -571,40 +570,7 @@ def score(args, rows, completions, num_generations, batch, plan, reward_model, d
     return score_completions(args.funcs, args.weights, rows, completions, num_generations)
 
 
-# ---- The critic, and the forwards that score a micro-batch (padded, or packed by batching.pack) --
-class Critic(torch.nn.Module):
-    """A causal LM's body + a scalar value head: forward -> (B, T) fp32 values, one per position."""
-
-    def __init__(self, body, value_head):
-        super().__init__()
-        self.body, self.value_head = body, value_head
-        self.config = body.config
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
-        hidden = self.body(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        ).last_hidden_state  # (B, T, H)
-        return self.value_head(hidden).squeeze(-1).float()  # (B, T)
-
-
-def build_critic(path, from_reward_model, dtype, attn_implementation, ds_config=None):
-    """From a reward model: its body and its score head. From a causal LM: its body and a zero
-    value head (values start at 0, the body's features are trained by the value loss). With a
-    ZeRO-3 ds_config the body (and score head) are built partitioned (zero3_load.load_model);
-    a new value head is partitioned by deepspeed.initialize."""
-    kw = dict(dtype=dtype, attn_implementation=attn_implementation, ds_config=ds_config)
-    if from_reward_model:
-        rm = load_model(AutoModelForSequenceClassification, path, num_labels=1, **kw)
-        return Critic(getattr(rm, rm.base_model_prefix), rm.score)
-    body = load_model(AutoModel, path, **kw)
-    head = torch.nn.Linear(body.config.hidden_size, 1, bias=False, dtype=dtype)
-    torch.nn.init.zeros_(head.weight)
-    return Critic(body, head)
-
-
+# ---- LoRA, engines, and the forwards that score a micro-batch (critic.py: the value model) ----
 def add_lora(model, critic, args):
     """LoRA adapters (peft) on the actor and on the critic's body (the value head stays fully
     trained); returns the actor, the critic is changed in place."""
@@ -668,23 +634,6 @@ def rollout_scorers(actor, critic, ref, args, device):
     if args.kl_coef > 0:
         scorers["ref_logps"] = ref_logps
     return scorers
-
-
-def forward_values(critic, mb, packing, device):
-    """(b, c) values of the states before each completion token, padded or packed."""
-    if not packing:
-        am = mb["attention_mask"].to(device)  # (b, t)
-        values = critic(
-            input_ids=mb["input_ids"].to(device),
-            attention_mask=am,
-            position_ids=positions_from_mask(am),
-        )
-        c = mb["logits_to_keep"]
-        return values[:, -c - 1 : -1]  # (b, c)
-    ids, pos, where = pack(mb)
-    # (1, N)
-    values = critic(input_ids=ids.to(device), attention_mask=None, position_ids=pos.to(device))
-    return unpack(values[0, where.to(device)], mb["completion_mask"])  # (b, c)
 
 
 # ---- Micro-batches, rollout scoring and the update -----------------------------------------------
