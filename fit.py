@@ -9,16 +9,16 @@ never change the update from the ledger's measured peaks. Shared by grpo.py and 
     for row in adapter.after_step(ledger.step, step + 1):  # a collective: ranks agree
         log.record(row)                          # fit/knob, fit/from, fit/to, fit/reason
 
-The pre-flight walks a ladder of knob changes in an order of cost taken from README's measured
-tables (README, "Fit to a budget"), cheapest first, and takes the first change that lowers the
-estimate's highest phase over the budget, until every phase is under the high-water mark of it.
+The pre-flight walks a ladder of knob changes in an order of cost taken from the measured
+tables (docs/memory.md, "Fit to a budget"), cheapest first, and takes the first change that lowers
+the estimate's highest phase over the budget, until every phase is under the high-water mark of it.
 On CPU the ledger measures the whole process's resident set, so the estimate there adds this
 process's resident set at the pre-flight (Python, torch, DeepSpeed: the runtime; the largest over
 ranks, so every rank picks the same knobs).
 
 Between steps only knobs that leave the update as it is move: the micro-batch size (or the token
 budget) and the log-prob tile; accumulation and tiling change the order of floating-point sums,
-not the sum (README, "Why whole groups stay on one rank"). The generation batch size and
+not the sum (docs/accumulation.md). The generation batch size and
 vllm_batch_size are chosen in the pre-flight only: generate_hf and vLLM draw each call's samples
 from one random stream, so splitting the same prompts into other calls samples other completions.
 This file imports checks, logprobs, memory, tasks, tiny_models and zero3_utils (it is the one that
@@ -136,7 +136,7 @@ def _runtime_bytes():
 
 
 def _ladder(args, loop, kw):
-    """The single changes to try, cheapest first (README, "Fit to a budget", says where each
+    """The single changes to try, cheapest first (docs/memory.md, "Fit to a budget", says where each
     cost was measured): [(label, {arg: value}, {estimate kwarg: value})]; a knob at its limit is
     left out."""
     out = []

@@ -31,7 +31,7 @@ order (ZeRO-3 gathers and synced generation are collectives).
 
 The middle mode, unwrap_for_generation(engine, gather=False, resident_bytes=N), keeps the first
 modules that fit in N bytes gathered and hook-free for the whole generation and fetches the rest
-layer by layer; measured between gathered and sharded on both speed and memory (README).
+layer by layer; measured between gathered and sharded on both speed and memory (docs/generation.md).
 """
 
 import logging

@@ -8,8 +8,8 @@ Launch (see run.sh, which wires this through torchrun and a DeepSpeed JSON):
     python -m torch.distributed.run --nproc_per_node 2 grpo.py --ds_config configs/zero3.json ...
 
 One step: each rank takes `prompts_per_rank` prompts, generates `num_generations`
-completions for each (a whole group always lives on one rank: README, "Why whole groups
-stay on one rank"), scores them with the reward functions, turns rewards into group-relative
+completions for each (a whole group always lives on one rank: docs/accumulation.md, "Why whole
+groups stay on one rank"), scores them with the reward functions, turns rewards into group-relative
 advantages, computes old/reference log-probs without gradients, then updates the policy over
 micro-batches with gradient accumulation and one optimizer step (per iteration).
 
@@ -118,8 +118,8 @@ RECIPES = {
         "eval_steps": 100,
     },
 }
-# phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
-# memory)
+# phase -> the knobs that lower its peak, for the out-of-memory message (docs/troubleshooting.md,
+# "Out of memory")
 OOM_HINTS = {
     "weight_sync": "lower --vllm_gpu_memory_utilization (vLLM's pool shares the GPU with the "
     "gathered weights)",
@@ -233,7 +233,7 @@ def grpo_loss(
 
 
 # ---- Configuration ---------------------------------------------------------------------------
-# Glue kept parallel with ppo.py's on purpose (README, Files): change both together.
+# Glue kept parallel with ppo.py's on purpose (docs/layout.md): change both together.
 @dataclass
 class Args:
     model: str = arg("", "policy hub id or path; empty: tiny model from scratch")
@@ -457,8 +457,8 @@ def deepspeed_config(args, world, hidden_size, dtype):
     return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
 
 
-# Knobs that change memory, not the update (micro-batching never changes it: README, "Why whole
-# groups stay on one rank"),
+# Knobs that change memory, not the update (micro-batching never changes it: docs/accumulation.md,
+# "Accumulation never changes the update"),
 # so a run that ran out of memory can be resumed with one of them turned.
 MEMORY_KNOBS = (
     "per_device_train_batch_size",
@@ -615,7 +615,7 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
 
 
 # ---- Evaluation ------------------------------------------------------------------------------
-# Glue kept parallel with ppo.py's on purpose (README, Files): change both together.
+# Glue kept parallel with ppo.py's on purpose (docs/layout.md): change both together.
 def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
     """Held-out mean reward and accuracy: one sampled completion per prompt, prompts split over
     ranks."""
@@ -633,7 +633,7 @@ def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
 
 
 # ---- The loop --------------------------------------------------------------------------------
-# Glue kept parallel with ppo.py's on purpose (README, Files): change both together.
+# Glue kept parallel with ppo.py's on purpose (docs/layout.md): change both together.
 def main(argv=None):
     args = parse_args(argv)
     if args.estimate_memory:  # pre-flight: no process group, no weights

@@ -203,7 +203,7 @@ def per_token_logps(
     drops the last (it predicts past the sequence), divides by the temperature and
     gathers with selective_log_softmax. Without gradients (reference / old log-probs) the
     peak is one (batch_size, K, V) logits block; with gradients autograd keeps every
-    mini-batch's logits until backward (measured in README), so train with model_logps.
+    mini-batch's logits until backward (measured in docs/logprobs.md), so train with model_logps.
     batch_size=None scores all B at once.
     """
     _check_keep(input_ids, attention_mask, logits_to_keep)

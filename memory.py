@@ -140,7 +140,7 @@ class MemoryLedger:
             f"GB{total}"
             + (f"; earlier steps' peaks GB: {earlier}" if earlier else "")
             + "): "
-            + self.hints.get(name, "see README, Troubleshooting memory")
+            + self.hints.get(name, "see docs/troubleshooting.md")
             + f". `--estimate_memory True` predicts each phase's peak. "
             f"({str(e).splitlines()[0][:160]})"
         )

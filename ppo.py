@@ -31,8 +31,8 @@ Departures from the paper (InstructGPT / "Fine-Tuning LMs from Human Preferences
 - Value of completion token t = the critic at the position that predicts it (the state before t);
   after the last token the value is 0 (the episode ends).
 - Loss sums are divided by the WHOLE mini-batch's token count (all micro-batches, all ranks), so
-  the update does not depend on how it is split into micro-batches (README, "Why whole groups
-  stay on one rank").
+  the update does not depend on how it is split into micro-batches (docs/accumulation.md,
+  "Accumulation never changes the update").
 - Packing (`--packing`) concatenates a micro-batch's sequences into one row with position ids
   restarting per sequence; transformers turns that into a block-diagonal causal mask (SDPA, eager)
   or variable-length kernels (flash attention), so no token attends across sequences.
@@ -117,8 +117,8 @@ from vllm_server import vllm_generator
 from zero3_load import load_model
 from zero3_utils import frozen_config, frozen_engine, gathered, load_ds_config, save_hf
 
-# phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
-# memory)
+# phase -> the knobs that lower its peak, for the out-of-memory message (docs/troubleshooting.md,
+# "Out of memory")
 OOM_HINTS = {
     "rollout": "lower --generation_batch_size, or --gather_for_generation False (layer by layer; "
     "--generation_resident_gb between the two), or a shorter --max_completion_length; vLLM: lower "
@@ -237,7 +237,7 @@ def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
 
 
 # ---- Configuration -------------------------------------------------------------------------------
-# Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
+# Glue kept parallel with grpo.py's on purpose (docs/layout.md): change both together.
 @dataclass
 class Args:
     model: str = arg("", "actor hub id or path; empty: tiny model from scratch")
@@ -445,8 +445,8 @@ def deepspeed_config(args, world, hidden_size, dtype, lr):
     return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
 
 
-# Knobs that change memory, not the update (micro-batching never changes it: README, "Why whole
-# groups stay on one rank"),
+# Knobs that change memory, not the update (micro-batching never changes it: docs/accumulation.md,
+# "Accumulation never changes the update"),
 # so a run that ran out of memory can be resumed with one of them turned.
 MEMORY_KNOBS = (
     "micro_train_batch_size",
@@ -723,7 +723,7 @@ def train_on_batch(actor, critic, batch, args, device):
 
 
 # ---- Evaluation ----------------------------------------------------------------------------------
-# Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
+# Glue kept parallel with grpo.py's on purpose (docs/layout.md): change both together.
 def evaluate(engine, vllm, reward_model, tokenizer, rows, args, rank, world, device):
     """Held-out mean score and accuracy (0 with a reward model): one sampled completion per
     prompt."""
@@ -755,7 +755,7 @@ def evaluate(engine, vllm, reward_model, tokenizer, rows, args, rank, world, dev
 
 
 # ---- The loop ------------------------------------------------------------------------------------
-# Glue kept parallel with grpo.py's on purpose (README, Files): change both together.
+# Glue kept parallel with grpo.py's on purpose (docs/layout.md): change both together.
 def main(argv=None):
     args = parse_args(argv)
     if args.estimate_memory:  # pre-flight: no process group, no weights

@@ -2,7 +2,7 @@
 prompts (micro-batches of 32 x 233 tokens: activations the micro-batch really moves), for the
 defaults, a budget below what they need, one just above, and a far budget from micro-batch 1.
 
-    python bench/fit_budget.py                # prints a Markdown table (README, "Fit to a budget")
+    python bench/fit_budget.py                # prints a Markdown table (docs/memory.md)
     python bench/fit_budget.py --steps 6
 
 Peaks: rank 0's resident set per phase (the ledger on CPU, MALLOC_MMAP_THRESHOLD_=65536 so freed

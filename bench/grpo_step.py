@@ -5,7 +5,7 @@ running grpo.py itself through torchrun for a few steps and reading its metrics.
     python bench/grpo_step.py --steps 10      # more steps per config (the first is warm-up)
 
 On a GPU machine the same command uses every GPU (one process each). Prints a Markdown table
-(copied into README "## GRPO"). Memory: on GPU, peak allocated per phase (reset between phases);
+(copied into docs/benchmarks.md). Memory: on GPU, peak allocated per phase (reset between phases);
 on CPU, the peak resident set of rank 0's process during each phase (Linux VmHWM, reset between
 phases), which includes the Python/torch/DeepSpeed runtime (~0.5 GB).
 Configs run one after another in one invocation, so their ratios are comparable; absolute

@@ -2,7 +2,7 @@
 fp32 forward/backward + AdamW step (ZeRO stage 0, one process), per phase, for the tiny default
 config and a ~100M Llama, with and without gradient checkpointing.
 
-    python bench/memory_check.py            # prints a Markdown table (README "## Memory")
+    python bench/memory_check.py            # prints a Markdown table (docs/memory.md)
 
 Each config runs in a fresh process with glibc's mmap threshold fixed at 64 KiB (freed tensors
 leave the process, so the resident set follows live bytes). Measured = the phase's peak resident

@@ -2,7 +2,7 @@
 the full load every rank did before (from_pretrained, then DeepSpeed partitions), transformers'
 own DeepSpeed integration (HfDeepSpeedConfig alive during from_pretrained) and zero3_load.py.
 
-    python bench/partitioned_load.py               # Markdown table (README "Partitioned loading")
+    python bench/partitioned_load.py               # Markdown table (docs/zero3.md)
     python bench/partitioned_load.py --dtype bf16  # a bf16 checkpoint loaded in bf16
 
 A random Llama (hidden 1024, 20 layers, MLP 2816, vocab 32000, untied: 322M parameters, 1.20 GiB in

@@ -20,7 +20,7 @@ Configs, one after another in one invocation so their ratios are comparable:
 Memory: on GPU, peak allocated per phase (reset between phases); on CPU, the peak resident set of
 rank 0's process during each phase (Linux VmHWM, reset between phases, with glibc's mmap threshold
 fixed at 64 KiB so freed tensors leave the process), which includes the Python/torch/DeepSpeed
-runtime (~0.5 GB per process). Prints a Markdown table (README "## PPO").
+runtime (~0.5 GB per process). Prints a Markdown table (docs/ppo.md).
 """
 
 import argparse

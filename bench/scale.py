@@ -7,7 +7,7 @@ memory.py's estimate.
 
     python bench/scale.py --shapes qwen2.5-7b --impls fused     # one config per call (10 min)
     python bench/scale.py --shapes qwen2.5-7b --impls naive
-    python bench/scale.py --table                               # README table, results.jsonl
+    python bench/scale.py --table                               # docs/memory.md, results.jsonl
     python bench/scale.py --shapes tiny --completion_length 16 --steps 2   # CPU smoke test (fp32)
 
 Results are appended to bench/out/scale/results.jsonl (one line per run: shape, impl, exit code,

@@ -29,7 +29,7 @@ The same work on both sides:
 Ours: grpo.py's own main(), unchanged, in one process (RANK 0 / WORLD_SIZE 1, as torchrun would
 set them), with a DeepSpeed JSON written here from configs/zero2.json with the stage of --zero
 (default 0: in one process ZeRO partitions nothing, and stage 0 is plain torch AdamW on the
-model's parameters with no flat fp32 copy or gradient buckets; see README "vs TRL").
+model's parameters with no flat fp32 copy or gradient buckets; see docs/benchmarks.md, "vs TRL").
 
 Setting map (ours grpo.py flag -> TRL GRPOConfig field):
   --prompts_per_rank N, --num_generations G   -> num_generations=G, and generation_batch_size
@@ -394,7 +394,7 @@ def ours_worker(spec, result):
 
         initialize = deepspeed.initialize
 
-        def initialize_without_allreduce(*a, **k):  # the grpo.py change README "vs TRL" proposes
+        def initialize_without_allreduce(*a, **k):  # the grpo.py change docs/benchmarks.md proposes
             out = initialize(*a, **k)
             if out[0].dp_world_size == 1 and out[0].zero_optimization_stage() == 0:
                 out[0].enable_backward_allreduce = False
@@ -780,7 +780,7 @@ def main():
         "--skip_one_rank_allreduce",
         action="store_true",
         help="ours: no gradient all-reduce at ZeRO-0 in one process (grpo.py now does this "
-        "itself; the flag reproduces the README's before/after measurement)",
+        "itself; the flag reproduces docs/benchmarks.md's before/after measurement)",
     )
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)

@@ -1,5 +1,5 @@
-"""torchrun worker (2 ranks): GRPO accumulation equivalence on real DeepSpeed (README,
-"Why whole groups stay on one rank").
+"""torchrun worker (2 ranks): GRPO accumulation equivalence on real DeepSpeed (docs/accumulation.md,
+"Accumulation never changes the update").
 
 The whole batch is 8 completions, 4 per rank. For ZeRO-2 and ZeRO-3, every loss_type, and
 micro-batch x accumulation = (4, 1), (2, 2), (1, 4) and a token budget (uneven micro-batch counts

@@ -8,7 +8,7 @@ tensors leave it and a lowered knob shows in the next phase's peak).
 - A budget below what the defaults need: the pre-flight lowers the micro-batch, and every phase
   of every step stays under the budget (the ledger's figures).
 - A budget just above: nothing changes, before the run or between steps.
-Figures measured on this 2-core machine are in README, "Fit to a budget".
+Figures measured on this 2-core machine are in docs/memory.md, "Fit measured".
 """
 
 import json

@@ -175,8 +175,8 @@ def test_grpo_loss_is_weights_and_errors():
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batch_losses_sum_to_full_batch(loss_type):
-    """README, "Why whole groups stay on one rank", on the pure function: the batch-wide normaliser
-    makes the split irrelevant."""
+    """docs/accumulation.md, "Accumulation never changes the update", on the pure function:
+    the batch-wide normaliser makes the split irrelevant."""
     logps, old, ref, adv, mask = make_batch(B=8, C=6, seed=1)
     norm = loss_normalizer(mask, loss_type, 6)
     kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, normalizer=norm)
