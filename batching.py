@@ -132,18 +132,23 @@ def make_batch(prompt_ids, gens, pad_id):
 
 
 # ---- Micro-batches ------------------------------------------------------------------------------
-def plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch=0):
-    """Index tensors over this rank's B sequences, the same number on every rank (ZeRO-3 forwards
-    and backwards are collectives); a rank short of micro-batches gets None (a zero-weight repeat).
+def plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch=0, keep=None):
+    """Index tensors over this rank's kept sequences, the same number on every rank (ZeRO-3 forwards
+    and backwards are collectives); a rank short of micro-batches gets None (a zero-weight repeat),
+    and a rank with no kept sequence gets only Nones.
 
-    By count (`micro_batch_size` sequences each, in order) or, with max_tokens_per_microbatch > 0,
-    by a padded-token budget: sequences sorted by length, a micro-batch closed when one more
-    sequence would make (sequences x longest) exceed the budget (a longer sequence goes alone)."""
+    keep: optional (B,) bool, the rows to train on (None: all). By count (`micro_batch_size`
+    sequences each, in order) or, with max_tokens_per_microbatch > 0, by a padded-token budget:
+    sequences sorted by length, a micro-batch closed when one more sequence would make (sequences x
+    longest) exceed the budget (a longer sequence goes alone)."""
     B = batch["input_ids"].shape[0]
-    if max_tokens_per_microbatch > 0:
+    rows = torch.arange(B) if keep is None else keep.nonzero().flatten()  # (K,)
+    plan = []
+    if max_tokens_per_microbatch > 0 and len(rows):
         lengths = batch["attention_mask"].sum(1)  # (B,)
-        plan, cur, longest = [], [], 0
-        for i in torch.argsort(lengths).tolist():  # similar lengths together: little padding
+        cur, longest = [], 0
+        # similar lengths together: little padding
+        for i in rows[torch.argsort(lengths[rows])].tolist():
             new_longest = max(longest, int(lengths[i]))
             if cur and (len(cur) + 1) * new_longest > max_tokens_per_microbatch:
                 plan.append(torch.tensor(cur))
@@ -151,8 +156,8 @@ def plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch=0):
             cur.append(i)
             longest = new_longest
         plan.append(torch.tensor(cur))
-    else:
-        plan = list(torch.arange(B).split(micro_batch_size))
+    elif len(rows):
+        plan = list(rows.split(micro_batch_size))
     return plan + [None] * (all_max(len(plan)) - len(plan))
 
 
@@ -173,11 +178,13 @@ def mini_batch_plans(batch, num_mini_batches, micro_batch_size, max_tokens_per_m
 def micro_batches(batch, plan):
     """Yield (idx, micro-batch, weight) for each entry of `plan`: its rows `idx`, micro_slice(batch,
     idx) and weight 1.0. A None entry (this rank has fewer micro-batches than another) yields the
-    plan's first micro-batch again with weight 0.0: every rank then runs the same number of
-    forwards and backwards (ZeRO-3 gathers parameters in them, a collective), and the repeat adds
-    nothing. Callers scale its loss by `weight` and skip writing its results (`if weight:`)."""
+    plan's first micro-batch again (row 0 when the rank kept no row) with weight 0.0: every rank
+    then runs the same number of forwards and backwards (ZeRO-3 gathers parameters in them, a
+    collective), and the repeat adds nothing. Callers scale its loss by `weight` and skip writing
+    its results (`if weight:`)."""
+    repeat = next((idx for idx in plan if idx is not None), torch.tensor([0]))
     for idx in plan:
-        rows = plan[0] if idx is None else idx
+        rows = repeat if idx is None else idx
         yield rows, micro_slice(batch, rows), 0.0 if idx is None else 1.0
 
 
@@ -274,7 +281,10 @@ def init_distributed():
 
 
 def all_sum(values):
-    """Python numbers summed over all ranks (float64), as a list."""
+    """Python numbers summed over all ranks (float64), as a list (as floats without a process
+    group)."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     dist.all_reduce(t)
     return t.tolist()

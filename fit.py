@@ -293,10 +293,14 @@ class KnobAdapter:
             "fit/reason": reason,
         }
 
-    def after_step(self, step_peaks, step):
+    def after_step(self, step_peaks, step, updated=True):
         """step_peaks: {phase: bytes} this rank measured this step (ledger.step, read before
-        step_metrics clears it). Returns the changes as metrics rows (empty: none)."""
-        if not self.budget:
+        step_metrics clears it). Returns the changes as metrics rows (empty: none).
+
+        updated False (alike on every rank): the step ran no update, as when every row was
+        dropped (grpo.py's dynamic sampling or truncation masking), so its driven phases did not
+        run and their low peaks say nothing about spare memory: no change."""
+        if not self.budget or not updated:
             return []
         names = MICRO_PHASES[self.loop]
         peaks = torch.tensor([float(step_peaks.get(p, 0)) for p in names], dtype=torch.float64)

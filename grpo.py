@@ -8,10 +8,13 @@ Launch (see run.sh, which wires this through torchrun and a DeepSpeed JSON):
     python -m torch.distributed.run --nproc_per_node 2 grpo.py --ds_config configs/zero3.json ...
 
 One step: each rank takes `prompts_per_rank` prompts, generates `num_generations`
-completions for each (a whole group always lives on one rank: docs/accumulation.md, "Why whole
-groups stay on one rank"), scores them with the reward functions, turns rewards into group-relative
-advantages, computes old/reference log-probs without gradients, then updates the policy over
-micro-batches with gradient accumulation and one optimizer step (per iteration).
+completions for each (a whole group always lives on one rank: docs/accumulation.md, "Why
+whole groups stay on one rank"), scores them with the reward functions (with
+--dynamic_sampling, groups whose rewards are all equal are replaced by fresh ones), turns
+rewards into group-relative
+advantages, computes old/reference log-probs without gradients, then `update` trains the
+policy: the kept rows in micro-batches, each loss divided by the whole batch's normaliser,
+gradient accumulation and one optimizer step per iteration (docs/update.md).
 
 Letters in shape comments: B sequences in a (micro-)batch, P prompt tokens, C completion
 tokens (max_completion_length), T = P + C, G num_generations, N prompts, V vocabulary.
@@ -26,6 +29,9 @@ Departures from the paper (DeepSeekMath, Shao et al. 2024) and why:
   generates (vLLM's and the trainer's numerics differ), capped at vllm_importance_cap.
 - Every micro-batch loss is divided by the WHOLE batch's normaliser (all micro-batches,
   all ranks) and DeepSpeed's own averaging is undone, so accumulation never changes the update.
+- Optional, off by default: GSPO's sequence-level ratio (--importance_sampling_level sequence,
+  Zheng et al. 2025), DAPO's dynamic sampling (--dynamic_sampling) and overlong filtering
+  (--mask_truncated_completions), as TRL's GRPOTrainer offers them.
 LoRA (--lora_r, peft): only the adapters train; with beta > 0 the reference is the policy with its
 adapters switched off (no second model). vLLM gets merged weights: each sync streams the base model
 with W + scaling * B @ A computed per layer, one group at a time (zero3_utils.iter_full_params),
@@ -56,6 +62,7 @@ from dataclasses import dataclass
 import deepspeed
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
@@ -96,16 +103,20 @@ from checks import (
 )
 from data import batch_rows
 from fit import KnobAdapter, estimate_run_memory, fit_to_budget
-from generation import attn_implementation_for, generate_hf, unwrap_for_generation
+from generation import Generations, attn_implementation_for, generate_hf, unwrap_for_generation
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import reward_functions, score_completions
 from vllm_server import vllm_generator
 from zero3_load import is_stage3, load_model
-from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
+from zero3_utils import all_max, frozen_config, frozen_engine, load_ds_config, save_hf
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# what update() returns summed over ranks: the same keys on every rank, whatever it trained on (a
+# key missing on one rank would make the ranks' all-reduces disagree and hang them)
+UPDATE_METRICS = ("loss", "tokens", "entropy", "ratio", "clip_low", "clip_high", "kl")
 # --recipe NAME: a named set of defaults (--help lists them); a flag given on the command line wins.
 # Args' own defaults fit the from-scratch tiny task; run.sh passes --recipe pretrained with MODEL.
 RECIPES = {
@@ -186,6 +197,7 @@ def grpo_loss(
     loss_type,
     normalizer,
     is_weights=None,
+    importance_sampling_level="token",
 ):
     """Clipped surrogate + k3 KL for one micro-batch; returns (loss, metrics).
 
@@ -195,12 +207,25 @@ def grpo_loss(
     tokens up to and including EOS. normalizer: the WHOLE batch's `loss_normalizer` sum, so that
     the losses of all micro-batches on all ranks add up to the full-batch loss.
     is_weights: optional (B, C) truncated importance weights (generator vs trainer), no grad.
+    importance_sampling_level: "token" (the paper: one ratio per token) or "sequence" (GSPO, Zheng
+    et al. 2025: one ratio per sequence, exp of the mean over its completion tokens of logp - old,
+    clipped as a whole and shared by its tokens; its gradient is the ratio times the mean of the
+    tokens' score functions), with every loss_type, as TRL's GRPOTrainer computes it.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}: choose one of {LOSS_TYPES}")
     mask = mask.to(logps.dtype)  # (B, C)
     old = logps.detach() if old_logps is None else old_logps  # (B, C)
-    ratio = torch.exp(logps - old)  # (B, C)
+    log_ratio = logps - old  # (B, C)
+    if importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        log_ratio = log_ratio.expand_as(mask)  # (B, C): each token carries its sequence's ratio
+    elif importance_sampling_level != "token":
+        raise ValueError(
+            f"importance_sampling_level={importance_sampling_level!r}: choose one of "
+            f"{IMPORTANCE_SAMPLING_LEVELS}"
+        )
+    ratio = torch.exp(log_ratio)  # (B, C)
     clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)  # (B, C)
     adv = advantages[:, None]  # (B, 1)
     per_token = -torch.min(ratio * adv, clipped * adv)  # (B, C)
@@ -309,6 +334,27 @@ class Args:
     )
     # loss and update
     loss_type: str = arg("bnpo", f"one of {LOSS_TYPES}")
+    importance_sampling_level: str = arg(
+        "token",
+        "token: a ratio per token (GRPO); sequence: one length-normalised ratio per sequence, "
+        "clipped as a whole (GSPO, Zheng et al. 2025)",
+    )
+    dynamic_sampling: bool = arg(
+        False,
+        "DAPO: drop groups whose rewards are all equal (no advantage) and sample more prompts to "
+        "refill the batch (docs/update.md)",
+    )
+    max_dynamic_sampling_rounds: int = arg(
+        3,
+        "with --dynamic_sampling: at most this many extra generation rounds per step; a rank still "
+        "short then trains on fewer groups",
+        ">= 0",
+    )
+    mask_truncated_completions: bool = arg(
+        False,
+        "completions cut at max_completion_length (no stop token) get no loss (DAPO's overlong "
+        "filtering)",
+    )
     beta: float = arg(0.0, "KL weight; 0 builds no reference model", ">= 0")
     epsilon_low: float = arg(0.2, "ratio clipped below at 1 - epsilon_low", "[0, 1)")
     epsilon_high: float = arg(0.2, "ratio clipped above at 1 + epsilon_high", ">= 0")
@@ -408,6 +454,11 @@ def parse_args(argv=None):
                 setattr(args, name, value)
     if args.loss_type not in LOSS_TYPES:
         raise RunError(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
+    if args.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise RunError(
+            f"--importance_sampling_level {args.importance_sampling_level}: choose one of "
+            f"{IMPORTANCE_SAMPLING_LEVELS}"
+        )
     if args.use_vllm and args.gather_for_generation is False:
         raise RunError(
             "--gather_for_generation False applies to HF generation; drop it with --use_vllm"
@@ -536,6 +587,123 @@ def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
         )
 
 
+def sample_groups(engine, vllm, tokenizer, rows, args):
+    """G completions of each prompt in `rows`, scored: {"prompt_ids": N lists, "gens":
+    Generations (N * G rows, prompt-major), "rewards": (N * G,) the weighted total, "per_func":
+    {name: (N * G,)}}."""
+    G = args.num_generations
+    prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length, args.template_kwargs)
+    gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
+    completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
+    rewards, per_func = score_completions(args.funcs, args.weights, rows, completions, G)
+    return {"prompt_ids": prompt_ids, "gens": gens, "rewards": rewards, "per_func": per_func}
+
+
+def take_groups(sample, groups, G):
+    """The groups (prompt indices) `groups` of a sample_groups() result, in that order."""
+    rows = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
+    gens = sample["gens"]
+    return {
+        "prompt_ids": [sample["prompt_ids"][g] for g in groups],
+        "gens": Generations(
+            gens.completion_ids[rows],
+            gens.completion_mask[rows],
+            None if gens.logprobs is None else gens.logprobs[rows],
+        ),
+        "rewards": sample["rewards"][rows],
+        "per_func": {k: v[rows] for k, v in sample["per_func"].items()},
+    }
+
+
+def cat_groups(samples, pad_id):
+    """sample_groups() results one after another, completions right-padded to the longest."""
+    C = max(s["gens"].completion_ids.shape[1] for s in samples)
+
+    def cat(field, value):
+        parts = [getattr(s["gens"], field) for s in samples]  # (n * G, c) each, or None
+        if parts[0] is None:
+            return None
+        return torch.cat([F.pad(t, (0, C - t.shape[1]), value=value) for t in parts])  # (., C)
+
+    return {
+        "prompt_ids": [p for s in samples for p in s["prompt_ids"]],
+        "gens": Generations(
+            cat("completion_ids", pad_id), cat("completion_mask", 0), cat("logprobs", 0.0)
+        ),
+        "rewards": torch.cat([s["rewards"] for s in samples]),
+        "per_func": {
+            k: torch.cat([s["per_func"][k] for s in samples]) for k in samples[0]["per_func"]
+        },
+    }
+
+
+# ---- DAPO's dynamic sampling: a variant of the rollout, on its own ----------------------------
+def extra_rows(train_rows, step, round_, n, args, rank, world):
+    """The prompts of dynamic sampling's extra round `round_` (1-based) at `step`: the first n of
+    this rank's slot in a second fixed order of the data (seed + 1), so --resume replays them."""
+    N = args.prompts_per_rank
+    k = step * args.max_dynamic_sampling_rounds + round_ - 1
+    return batch_rows(train_rows, k, N * world, args.seed + 1)[rank * N : rank * N + n]
+
+
+def dynamic_sampling(first, sample_more, args, pad_id):
+    """DAPO's dynamic sampling (Yu et al. 2025). A group whose G rewards are all equal has zero
+    advantage: it adds nothing to the policy gradient, yet its tokens would count in the
+    normaliser and shrink every other group's step. Such groups are dropped, then fresh prompts are
+    sampled, round after round, until this rank holds prompts_per_rank groups with spread or
+    max_dynamic_sampling_rounds extra rounds are done.
+
+    sample_more(round, n) -> a sample_groups() result for n new prompts. Every rank samples the
+    same n in each round (the largest shortfall over ranks): generation is a collective under
+    ZeRO-3 and vLLM, so a rank that is already full samples too, and keeps none of it.
+    Returns (sample of prompts_per_rank groups, keep (N * G,) bool, stats summed over ranks):
+    the kept groups first, then, where the cap left this rank short, dropped groups of the first
+    round with keep False, so every rank's batch keeps its N * G rows (the update skips them)."""
+    G, N = args.num_generations, args.prompts_per_rank
+
+    def split(sample):  # (kept groups, their count, dropped group indices)
+        r = sample["rewards"].view(-1, G)  # (n, G)
+        spread = (r.max(1).values > r.min(1).values).tolist()
+        ok = [g for g, s in enumerate(spread) if s]
+        return take_groups(sample, ok, G), len(ok), [g for g, s in enumerate(spread) if not s]
+
+    part, kept, flat = split(first)
+    parts, dropped, rounds = [part], len(flat), 0
+    while rounds < args.max_dynamic_sampling_rounds and (need := all_max(max(N - kept, 0))):
+        rounds += 1
+        part, n, more_flat = split(sample_more(rounds, need))
+        parts, kept, dropped = parts + [part], kept + n, dropped + len(more_flat)
+    short = max(N - kept, 0)
+    parts.append(take_groups(first, flat[:short], G))  # fillers, keep False
+    sample = take_groups(cat_groups(parts, pad_id), range(N), G)
+    keep = (torch.arange(N) < N - short).repeat_interleave(G)  # (N * G,)
+    dropped, short = all_sum([dropped, short])
+    stats = {"dynamic/groups_dropped": dropped, "dynamic/extra_rounds": rounds}
+    return sample, keep, {**stats, "dynamic/groups_short": short}
+
+
+def truncated(gens, stop_ids, max_completion_length):
+    """(B,) bool: completions that reached max_completion_length without ending in a stop id."""
+    lengths = gens.completion_mask.sum(1)  # (B,)
+    last = gens.completion_ids.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]  # (B,)
+    return (lengths >= max_completion_length) & ~torch.isin(last, torch.tensor(stop_ids))
+
+
+def to_batch(sample, keep, args, pad_id):
+    """The padded batch (batching.make_batch) with group advantages (B,), the keep mask (None:
+    all rows), which completions were truncated (B,), and the sampler's log-probs (vLLM, else
+    None)."""
+    gens = sample["gens"]
+    batch = make_batch(sample["prompt_ids"], gens, pad_id)
+    batch["advantages"] = group_advantages(
+        sample["rewards"], args.num_generations, scale=args.scale_rewards
+    )  # (B,)
+    batch["keep"] = keep
+    batch["truncated"] = truncated(gens, args.stop_ids, args.max_completion_length)  # (B,)
+    batch["sampler_logps"] = gens.logprobs  # (B, C) or None
+    return batch
+
+
 # ---- Micro-batches, log-probs and the update -------------------------------------------------
 def to_device(t, device):
     """A micro-batch's tensor on `device`; None (no reference model, one iteration) stays None."""
@@ -562,16 +730,93 @@ def batch_logps(model, batch, plan, args, device):
     return out
 
 
-def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
-    """Forward/backward every micro-batch, then ONE optimizer step; returns summed metrics.
-    With a MemoryLedger, the two are its "update" and "optimizer_step" phases.
+def vllm_importance_weights(batch, args):
+    """vLLM sampled these tokens but scores them a bit differently from the trainer: truncated
+    importance weights min(exp(old - vLLM logp), cap) (B, C), and the mean ratio over the kept
+    tokens of all ranks (1 = identical)."""
+    mask = batch["completion_mask"] * keep_mask(batch, args)[:, None]  # (B, C)
+    gap = (batch["old_logps"] - batch["sampler_logps"]) * batch["completion_mask"]  # (B, C)
+    ratio_sum, n = all_sum([(torch.exp(gap) * mask).sum().item(), mask.sum().item()])
+    return torch.exp(gap).clamp(max=args.vllm_importance_cap), ratio_sum / max(n, 1.0)
 
-    `normalizer` is the whole batch's (all micro-batches, all ranks). DeepSpeed divides each loss
-    by gradient_accumulation_steps (scale_wrt_gas) and averages gradients over data-parallel
-    ranks; we turn off the first and multiply by the world size to undo the second, so the step
-    applies exactly the gradient of the full-batch loss, however it is split.
+
+def keep_mask(batch, args):
+    """(B,) bool: the rows the update trains on. All of them, but for groups that dynamic sampling
+    dropped (batch["keep"] False) and, with --mask_truncated_completions, the completions cut at
+    max_completion_length (batch["truncated"]): a truncated answer gets no loss (DAPO's overlong
+    filtering), so a long, unfinished answer is neither rewarded nor punished for being cut."""
+    keep = batch.get("keep")
+    keep = torch.ones(batch["input_ids"].shape[0], dtype=torch.bool) if keep is None else keep
+    if args.mask_truncated_completions:
+        keep = keep & ~batch["truncated"]
+    return keep  # (B,)
+
+
+def micro_plan(batch, args):
+    """This rank's micro-batches over its kept rows; ranks agree on their number (batching.py)."""
+    keep = keep_mask(batch, args)
+    return plan_micro_batches(batch, args.micro, args.max_tokens_per_microbatch, keep)
+
+
+def batch_normalizer(batch, plan, args):
+    """The whole batch's loss denominator: loss_normalizer summed over the real micro-batches of
+    every rank (zero-weight repeats add nothing). The one place it is computed."""
+    local = sum(
+        weight * loss_normalizer(mb["completion_mask"], args.loss_type, args.max_completion_length)
+        for _, mb, weight in micro_batches(batch, plan)
+    )
+    (total,) = all_sum([local])
+    return total
+
+
+def update(engine, batch, args, device, ledger=None):
+    """The policy update for one step's batch, on every rank alike; returns its metrics summed over
+    ranks. In order:
+
+    1. the keep mask (keep_mask): all rows, but for those a feature drops (dynamic sampling's
+       groups without reward spread, truncated completions with --mask_truncated_completions);
+    2. the micro-batch plan over the kept rows (micro_plan): every rank runs the same number of
+       micro-batches, a rank with fewer or no kept rows runs zero-weight repeats, so ZeRO-3's
+       collectives in every forward and backward stay in lockstep;
+    3. the whole batch's normaliser over all ranks (batch_normalizer). Each micro-batch's loss is
+       divided by it, not by its own, so the micro-batch losses of all ranks add up to the loss of
+       the full batch and the gradient does not depend on how the batch is split. No kept row on
+       any rank: no update at all (an optimizer step on zero gradients would still move Adam's
+       moments and the LR schedule);
+    4. num_iterations times: every micro-batch forward/backward, then one optimizer step
+       (train_on_batch);
+    5. the last iteration's metrics summed over ranks with the same keys on every rank
+       (UPDATE_METRICS), plus "skipped" (optimizer steps DeepSpeed refused as non-finite, 0 to
+       num_iterations), "updated" (1.0 or 0.0) and "rows" (the kept rows of all ranks).
     """
-    world, sums = engine.dp_world_size, {}
+    plan = micro_plan(batch, args)
+    normalizer = batch_normalizer(batch, plan, args)
+    sums, skipped = dict.fromkeys(UPDATE_METRICS, 0.0), 0
+    if normalizer > 0:  # alike on every rank: a sum over ranks
+        for _ in range(args.num_iterations):
+            sums = train_on_batch(engine, batch, plan, args, normalizer, device, ledger)
+            skipped += not engine.was_step_applied()  # alike on every rank
+    rows = float(keep_mask(batch, args).sum())
+    totals = all_sum([sums[k] for k in UPDATE_METRICS] + [rows])
+    return {
+        **dict(zip(UPDATE_METRICS, totals)),
+        "rows": totals[-1],
+        "skipped": float(skipped),
+        "updated": float(normalizer > 0),
+    }
+
+
+def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
+    """Forward/backward every micro-batch of `plan`, then ONE optimizer step; returns this rank's
+    summed metrics (every key of UPDATE_METRICS, 0 where it had no real micro-batch). With a
+    MemoryLedger, the two are its "update" and "optimizer_step" phases.
+
+    `normalizer` is the whole batch's (all micro-batches, all ranks: batch_normalizer). DeepSpeed
+    divides each loss by gradient_accumulation_steps (scale_wrt_gas) and averages gradients over
+    data-parallel ranks; we turn off the first and multiply by the world size to undo the second,
+    so the step applies exactly the gradient of the full-batch loss, however it is split.
+    """
+    world, sums = engine.dp_world_size, dict.fromkeys(UPDATE_METRICS, 0.0)
     phase = ledger.phase if ledger else lambda name: nullcontext()
     with phase("update"):
         for i, (_, mb, weight) in enumerate(micro_batches(batch, plan)):
@@ -601,6 +846,7 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
                 loss_type=args.loss_type,
                 normalizer=normalizer,
                 is_weights=to_device(mb.get("is_weights"), device),
+                importance_sampling_level=args.importance_sampling_level,
             )
             # weight 0: a padding repeat
             engine.backward(loss * weight * world, scale_wrt_gas=False)
@@ -608,7 +854,7 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
                 metrics["entropy"] = (entropy.detach() * mask).sum()
                 metrics["loss"] = loss.detach()
                 for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                    sums[k] += float(v)
     with phase("optimizer_step"):
         engine.step()
     return sums
@@ -632,25 +878,10 @@ def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
     return reward_sum / n, solved_sum / n
 
 
-# ---- The loop --------------------------------------------------------------------------------
+# ---- The loop ----------------------------------------------------------------------------------
 # Glue kept parallel with ppo.py's on purpose (docs/layout.md): change both together.
-def main(argv=None):
-    args = parse_args(argv)
-    if args.estimate_memory:  # pre-flight: no process group, no weights
-        return estimate_run_memory(args, "grpo")
-    if args.preflight:  # run.sh: once, in one process, before torchrun starts the ranks
-        preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)))
-        return print(f"preflight: {args.ds_config}, data, model, tokenizer and rewards are fine")
-    # 1. setup: every input checked on every rank before a model loads -----------------------
-    rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
-    say = print if rank == 0 else (lambda *a, **k: None)
-    model_path, tokenizer, train_rows, eval_rows, dtype, ds_config = preflight(args, rank, world)
-    os.makedirs(args.run_dir, exist_ok=True)  # the pre-flight wrote nothing (but a built-in model)
-    if args.overwrite and rank == 0:
-        clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
-    dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
-
-    # 2. models ------------------------------------------------------------------------------
+def build_models(args, model_path, dtype, ds_config, tokenizer):
+    """(policy engine, reference engine or None, vLLM generator or None)."""
     # eager for Gemma-2: sdpa drops its attention soft-cap, which vLLM applies
     attn = dict(
         dtype=dtype,
@@ -701,17 +932,127 @@ def main(argv=None):
         ref = frozen_engine(ref_model, ds_config, offload=args.ref_offload)
     vllm = None
     if args.use_vllm:
-        vllm = vllm_generator(
-            args,
-            model_path,
-            dtype,
-            min(
-                args.max_prompt_length + args.max_completion_length,
-                model.config.max_position_embeddings,
-            ),
-            tokenizer.pad_token_id,
-        )
+        max_len = args.max_prompt_length + args.max_completion_length
+        max_len = min(max_len, model.config.max_position_embeddings)
+        vllm = vllm_generator(args, model_path, dtype, max_len, tokenizer.pad_token_id)
+    return engine, ref, vllm
 
+
+def rollout(engine, vllm, tokenizer, train_rows, step, args, ledger):
+    """This rank's whole groups for `step`, sampled and scored (with --dynamic_sampling, groups
+    without reward spread replaced: dynamic_sampling), as a batch with advantages. Returns (the
+    first round's sample, for the training reward in the metrics; the batch; dynamic sampling's
+    stats, {} without it)."""
+    rank, world, N = dist.get_rank(), dist.get_world_size(), args.prompts_per_rank
+    rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N : (rank + 1) * N]
+    if vllm is not None:
+        with ledger.phase("weight_sync"):
+            vllm.wake_up()  # KV cache and weights back from sleep (no-op where unsupported)
+            vllm.sync_weights(engine)
+    with ledger.phase("rollout"):
+        sample = first = sample_groups(engine, vllm, tokenizer, rows, args)
+        keep, dynamic = None, {}
+        if args.dynamic_sampling:  # DAPO: groups without reward spread out, fresh ones in
+
+            def more(round_, n):
+                more_rows = extra_rows(train_rows, step, round_, n, args, rank, world)
+                return sample_groups(engine, vllm, tokenizer, more_rows, args)
+
+            sample, keep, dynamic = dynamic_sampling(first, more, args, tokenizer.pad_token_id)
+        if vllm is not None:
+            vllm.sleep()  # free vLLM's KV cache while the trainer works (GPU; CPU: a no-op)
+        return first, to_batch(sample, keep, args, tokenizer.pad_token_id), dynamic
+
+
+def step_row(step, first, totals, engine, args):
+    """One metrics.jsonl row of the training rewards (the step's first-round samples, all ranks:
+    what the policy does, before dynamic sampling picks groups) and the update's metrics (omitted
+    when no row was kept: no update ran)."""
+    lengths = first["gens"].completion_mask.sum(1).float()  # (B,)
+    per_func = first["per_func"]
+    # (world * B, 2 + F), every rank's sequences: total reward, completion length, each function
+    seq = all_cat(torch.stack([first["rewards"], lengths, *per_func.values()], 1))
+    row = {
+        "step": step,
+        "reward": seq[:, 0].mean().item(),
+        "reward_std": seq[:, 0].std().item(),
+        "accuracy": (seq[:, 2:] >= 1).all(1).float().mean().item(),
+        "completion_len": seq[:, 1].mean().item(),
+        "completion_len_max": seq[:, 1].max().item(),
+        "completion_tokens": seq[:, 1].sum().item(),
+        "update_rows": totals["rows"],
+        "lr": engine.get_lr()[0],
+        **{
+            f"rewards/{name}/{stat}": getattr(seq[:, 2 + j], stat)().item()
+            for j, name in enumerate(per_func)
+            for stat in ("mean", "std")
+        },
+    }
+    if totals["updated"]:
+        keys = ("entropy", "ratio", "clip_low", "clip_high") + (("kl",) if args.beta > 0 else ())
+        row.update({k: totals[k] / totals["tokens"] for k in keys})
+        row["clip_frac"] = (totals["clip_low"] + totals["clip_high"]) / totals["tokens"]
+        row["loss"] = totals["loss"]
+        grad_norm = engine.get_global_grad_norm()  # a float or a 0-d tensor, by stage and offload
+        row["grad_norm"] = None if grad_norm is None else float(grad_norm)
+    return row
+
+
+def step_line(row, args, mem_line):
+    """The line rank 0 prints after each step."""
+    line = f"step {row['step']}/{args.max_steps} reward {row['reward']:.3f} acc "
+    line += f"{row['accuracy']:.2f} len {row['completion_len']:.1f}"
+    if "loss" in row:
+        line += f" entropy {row['entropy']:.2f} clip {row['clip_frac']:.3f}"
+    else:
+        line += " no update (no row kept)"
+    line += f" kl {row['kl']:.4f}" if "kl" in row else ""
+    return line + f" {row['step_s']:.2f}s | {mem_line}"
+
+
+def finish(args, engine, tokenizer, log, ledger):
+    """After the last step: the memory summary, the final model, the curves."""
+    say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
+    # rank 0's peaks; the highest phase is where to look first when memory runs out
+    mem = ledger.summary()
+    say(mem["text"])
+    log.record(
+        {
+            "step": args.max_steps,
+            "mem/highest_phase": mem["highest"],
+            **{f"mem/run_peak/{k}": v for k, v in mem["peak_gb"].items()},
+        }
+    )
+    if args.save_model:
+        save_hf(engine, tokenizer, os.path.join(args.run_dir, "final"))
+    # beta 0: no KL
+    right = ("kl", "KL to reference", "-") if args.beta > 0 else ("entropy", "entropy", "-")
+    log.close(
+        panels=[
+            [("reward", "train reward", "-"), ("eval/reward", "held-out reward", "o-")],
+            [right],
+        ]
+    )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.estimate_memory:  # pre-flight: no process group, no weights
+        return estimate_run_memory(args, "grpo")
+    if args.preflight:  # run.sh: once, in one process, before torchrun starts the ranks
+        preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)))
+        return print(f"preflight: {args.ds_config}, data, model, tokenizer and rewards are fine")
+    # 1. setup: every input checked on every rank before a model loads -----------------------
+    rank, world, device = init_distributed()  # NCCL on GPUs, gloo on CPU
+    say = print if rank == 0 else (lambda *a, **k: None)
+    model_path, tokenizer, train_rows, eval_rows, dtype, ds_config = preflight(args, rank, world)
+    os.makedirs(args.run_dir, exist_ok=True)  # the pre-flight wrote nothing (but a built-in model)
+    if args.overwrite and rank == 0:
+        clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
+    dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
+
+    # 2. models, checkpoint, run log -----------------------------------------------------------
+    engine, ref, vllm = build_models(args, model_path, dtype, ds_config, tokenizer)
     start_step, ckpt_dir = 0, os.path.join(args.run_dir, "checkpoints")
     engines = {"policy": engine}  # one sub-dir each in checkpoints/step<N>/ (checkpoint.py)
     # checked against the checkpoint by preflight() on --resume
@@ -734,10 +1075,8 @@ def main(argv=None):
             vllm.wake_up()
             vllm.sync_weights(engine)
         reward, acc = evaluate(engine, vllm, tokenizer, eval_rows, args, rank, world)
-        say(
-            f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {len(eval_rows)} "
-            "prompts)"
-        )
+        n = len(eval_rows)
+        say(f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {n} prompts)")
         log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
@@ -746,10 +1085,9 @@ def main(argv=None):
     guard = StepGuard(args.max_bad_steps)
     adapter = KnobAdapter(args, "grpo")  # --memory_budget_gb: update-neutral knobs between steps
     t_start = time.time()
-    first = float("nan")  # on resume the first held-out score is already in metrics.jsonl
+    first_eval = float("nan")  # on resume the first held-out score is already in metrics.jsonl
     if args.num_eval_prompts and not args.resume:
-        first = held_out(start_step, f"step {start_step}")
-    G, N = args.num_generations, args.prompts_per_rank
+        first_eval = held_out(start_step, f"step {start_step}")
     bar = tqdm(
         range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="grpo"
     )
@@ -759,28 +1097,12 @@ def main(argv=None):
         # sampling replays exactly on resume
         torch.manual_seed(args.seed * 7919 + step * world + rank)
 
-        # 3. rollout: whole groups on this rank ----------------------------------------------
-        rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N : (rank + 1) * N]
-        prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length, args.template_kwargs)
-        if vllm is not None:
-            with ledger.phase("weight_sync"):
-                vllm.wake_up()  # KV cache and weights back from sleep (no-op where unsupported)
-                vllm.sync_weights(engine)
-        with ledger.phase("rollout"):
-            gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
-            if vllm is not None:
-                vllm.sleep()  # free vLLM's KV cache while the trainer works (GPU; CPU: a no-op)
-            completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
-            # rewards (B,): the weighted total; per_func {name: (B,)}
-            rewards, per_func = score_completions(args.funcs, args.weights, rows, completions, G)
-
-            # 4. advantages on whole groups -------------------------------------------------
-            batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
-            batch["advantages"] = group_advantages(rewards, G, scale=args.scale_rewards)  # (B,)
+        # 3. rollout: whole groups on this rank, scored; advantages on whole groups -------------
+        first, batch, dynamic = rollout(engine, vllm, tokenizer, train_rows, step, args, ledger)
         t_rollout = time.time() - t0
 
-        # 5. old and reference log-probs, no grad, micro-batch by micro-batch ----------------
-        plan = plan_micro_batches(batch, args.micro, args.max_tokens_per_microbatch)
+        # 4. old and reference log-probs, no grad, micro-batch by micro-batch ----------------
+        plan = micro_plan(batch, args)  # the update's micro-batches: the same numerics
         batch["old_logps"] = batch["ref_logps"] = None
         if args.num_iterations > 1 or args.vllm_importance_cap > 0:
             with ledger.phase("old_logprobs"):
@@ -790,80 +1112,32 @@ def main(argv=None):
             adapters_off = nullcontext() if ref is not None else engine.module.disable_adapter()
             with ledger.phase("ref_logprobs"), adapters_off:
                 batch["ref_logps"] = batch_logps(reference, batch, plan, args, device)
-        # vLLM sampled these tokens; the trainer scores them a bit differently
-        if args.vllm_importance_cap > 0:
-            gap = (batch["old_logps"] - gens.logprobs) * gens.completion_mask  # (B, C)
-            batch["is_weights"] = torch.exp(gap).clamp(max=args.vllm_importance_cap)  # (B, C)
-            is_ratio_sums = all_sum(
-                [
-                    (torch.exp(gap) * gens.completion_mask).sum().item(),
-                    gens.completion_mask.sum().item(),
-                ]
-            )
+        if args.vllm_importance_cap > 0:  # vLLM sampled these tokens; the trainer scores them
+            batch["is_weights"], dynamic["vllm_is_ratio"] = vllm_importance_weights(batch, args)
 
-        # 6. update: micro-batches, accumulation, one optimizer step per iteration -----------
+        # 5. update: keep mask, micro-batches, whole-batch normaliser, optimizer steps ---------
         t1 = time.time()
-        local = sum(
-            weight
-            * loss_normalizer(mb["completion_mask"], args.loss_type, args.max_completion_length)
-            for _, mb, weight in micro_batches(batch, plan)
-        )
-        (normalizer,) = all_sum([local])
-        skipped = 0
-        for _ in range(args.num_iterations):
-            # update, optimizer_step
-            sums = train_on_batch(engine, batch, plan, args, normalizer, device, ledger)
-            # DeepSpeed refused a non-finite step, alike on every rank
-            skipped += not engine.was_step_applied()
+        totals = update(engine, batch, args, device, ledger)
         t_update = time.time() - t1
 
-        # 7. logging and saving --------------------------------------------------------------
-        keys = sorted(sums)
-        totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
-        # a float or a 0-d tensor, by ZeRO stage and offload
-        grad_norm = engine.get_global_grad_norm()
-        grad_norm = None if grad_norm is None else float(grad_norm)
-        guard.update(step + 1, totals["loss"], grad_norm, skipped > 0)
-        # (world * B, 2 + F), every rank's sequences: total reward, completion length, each function
-        lengths = gens.completion_mask.sum(1).float()  # (B,)
-        seq_stats = all_cat(torch.stack([rewards, lengths, *per_func.values()], 1))
+        # 6. logging and saving --------------------------------------------------------------
+        row = step_row(step + 1, first, totals, engine, args)
+        if totals["updated"]:  # a step with no kept row ran no update: nothing to guard
+            guard.update(step + 1, totals["loss"], row["grad_norm"], totals["skipped"] > 0)
+        row["skipped_steps"] = guard.skipped
         dt, mem_line = time.time() - t0, ledger.line()
-        knob_changes = adapter.after_step(
-            ledger.step, step + 1
-        )  # a collective; before step_metrics
-        row = {
-            "step": step + 1,
-            "reward": seq_stats[:, 0].mean().item(),
-            "reward_std": seq_stats[:, 0].std().item(),
-            "accuracy": (seq_stats[:, 2:] >= 1).all(1).float().mean().item(),
-            "loss": totals["loss"],
-            "completion_len": seq_stats[:, 1].mean().item(),
-            "completion_len_max": seq_stats[:, 1].max().item(),
-            **{
-                k: totals[k] / totals["tokens"]
-                for k in ("entropy", "ratio", "clip_low", "clip_high", "kl")
-                if k in totals
-            },
-            "clip_frac": (totals["clip_low"] + totals["clip_high"]) / totals["tokens"],
-            "grad_norm": grad_norm,
-            "skipped_steps": guard.skipped,
-            "lr": engine.get_lr()[0],
-            "tokens_per_s": seq_stats[:, 1].sum().item() / dt,
-            "step_s": dt,
-            "rollout_s": t_rollout,
-            "weight_sync_s": vllm.last_sync_seconds if vllm is not None else 0.0,
-            "update_s": t_update,
-            "elapsed_s": time.time() - t_start,
+        # a collective; before step_metrics. No update: no evidence of spare memory
+        knob_changes = adapter.after_step(ledger.step, step + 1, updated=totals["updated"] > 0)
+        row.update(dynamic)
+        row.update(
+            tokens_per_s=row.pop("completion_tokens") / dt,
+            step_s=dt,
+            rollout_s=t_rollout,
+            weight_sync_s=vllm.last_sync_seconds if vllm is not None else 0.0,
+            update_s=t_update,
+            elapsed_s=time.time() - t_start,
             **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
-            **{
-                f"rewards/{name}/{stat}": getattr(seq_stats[:, 2 + j], stat)().item()
-                for j, name in enumerate(per_func)
-                for stat in ("mean", "std")
-            },
-        }
-        # how far vLLM's log-probs are from the trainer's (1 = identical)
-        if args.vllm_importance_cap > 0:
-            row["vllm_is_ratio"] = is_ratio_sums[0] / is_ratio_sums[1]
+        )
         log.record(row)
         for change in knob_changes:  # for the next step
             log.record(change)
@@ -873,14 +1147,7 @@ def main(argv=None):
             )
         bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{row['accuracy']:.2f}")
         if rank == 0:
-            bar.write(
-                f"step {step + 1}/{args.max_steps} reward {row['reward']:.3f} acc "
-                f"{row['accuracy']:.2f} "
-                f"len {row['completion_len']:.1f} entropy {row['entropy']:.2f} clip "
-                f"{row['clip_frac']:.3f}"
-                + (f" kl {row['kl']:.4f}" if "kl" in row else "")
-                + f" {dt:.2f}s | {mem_line}"
-            )
+            bar.write(step_line(row, args, mem_line))
         if (
             args.eval_steps
             and eval_rows
@@ -903,31 +1170,12 @@ def main(argv=None):
     if args.num_eval_prompts:
         last = held_out(args.max_steps, "end")
         # start: in metrics.jsonl
-        since = f"resumed at step {start_step}" if args.resume else f"start {first:.3f}"
+        since = f"resumed at step {start_step}" if args.resume else f"start {first_eval:.3f}"
         say(
             f"held-out reward: {since} -> end {last:.3f} in {time.time() - t_start:.0f}s "
             f"({args.max_steps - start_step} steps)"
         )
-    # rank 0's peaks; the highest phase is where to look first when memory runs out
-    mem = ledger.summary()
-    say(mem["text"])
-    log.record(
-        {
-            "step": args.max_steps,
-            "mem/highest_phase": mem["highest"],
-            **{f"mem/run_peak/{k}": v for k, v in mem["peak_gb"].items()},
-        }
-    )
-    if args.save_model:
-        save_hf(engine, tokenizer, os.path.join(args.run_dir, "final"))
-    # beta 0: no KL
-    right = ("kl", "KL to reference", "-") if args.beta > 0 else ("entropy", "entropy", "-")
-    log.close(
-        panels=[
-            [("reward", "train reward", "-"), ("eval/reward", "held-out reward", "o-")],
-            [right],
-        ]
-    )
+    finish(args, engine, tokenizer, log, ledger)
     dist.barrier()
     # vLLM's exit handler tears down its own groups and needs the default one alive
     if vllm is None:

@@ -53,6 +53,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import deepspeed
@@ -652,74 +653,109 @@ def rollout_forwards(scorers, batch, plan):
     return out
 
 
-def train_on_batch(actor, critic, batch, args, device):
-    """ppo_epochs passes; each pass: num_mini_batches groups of micro-batches (batching.
-    mini_batch_plans: the rows of a mini-batch do not depend on the micro-batch knobs),
-    forward/backward each (actor: clipped policy loss, critic: clipped value loss), then ONE
-    optimizer step per model.
+# what update() returns summed over ranks: the same keys on every rank, whatever it trained on (a
+# key missing on one rank would make the ranks' all-reduces disagree and hang them)
+UPDATE_METRICS = (
+    "policy_loss",
+    "value_loss",
+    "tokens",
+    "entropy",
+    "clip",
+    "ratio",
+    "approx_kl",
+    "vf_clip",
+    "value",
+    "skipped",
+)
 
-    Each micro-batch loss is divided by its mini-batch's token count over all ranks. DeepSpeed
-    divides each loss by gradient_accumulation_steps and averages gradients over ranks: we turn
-    off the first and multiply by the world size, so each step applies exactly the gradient of the
-    mini-batch loss, however it is split (the same scheme as grpo.py's train_on_batch).
+
+def mini_batch_normalizer(batch, group):
+    """A mini-batch's loss denominator: its completion tokens over the real micro-batches of every
+    rank (zero-weight repeats add nothing), at least 1. The one place it is computed."""
+    tokens = sum(w * float(mb["completion_mask"].sum()) for _, mb, w in micro_batches(batch, group))
+    (total,) = all_sum([tokens])
+    return max(total, 1.0)
+
+
+def update(actor, critic, batch, args, device, ledger=None):
+    """The actor and critic update for one step's batch, on every rank alike; returns its metrics
+    summed over ranks (UPDATE_METRICS, the same keys on every rank). In order:
+
+    1. every row is kept (no PPO feature drops rows);
+    2. the plan: num_mini_batches groups of micro-batches (batching.mini_batch_plans: the rows of
+       a mini-batch depend only on num_mini_batches, never on the micro-batch knobs), ranks
+       agreeing on every count, zero-weight repeats where a rank has fewer;
+    3. per mini-batch, its normaliser over all ranks (mini_batch_normalizer): each micro-batch
+       loss is divided by it, not by its own token count, so the micro-batch losses add up to the
+       mini-batch loss however it is split. DeepSpeed divides each loss by
+       gradient_accumulation_steps and averages gradients over ranks: we turn off the first and
+       multiply by the world size, so each step applies exactly the mini-batch loss's gradient
+       (the same scheme as grpo.update);
+    4. ppo_epochs passes, each: every mini-batch's micro-batches forward/backward (actor: clipped
+       policy loss, critic: clipped value loss), then ONE optimizer step per model;
+    5. the metrics summed over ranks: the losses as the mean over mini-batch updates, token
+       sums, and "skipped" (> 0: DeepSpeed refused a non-finite optimizer step).
+    With a MemoryLedger, the whole of it is its "update" phase.
     """
     world = actor.dp_world_size
     groups = mini_batch_plans(
         batch, args.num_mini_batches, args.micro, args.max_tokens_per_microbatch
     )  # the same number of groups and micro-batches on every rank
-    sums, n_updates = {}, args.ppo_epochs * len(groups)
-    for _ in range(args.ppo_epochs):
-        for group in groups:
-            tokens = sum(
-                w * float(mb["completion_mask"].sum()) for _, mb, w in micro_batches(batch, group)
-            )
-            (normalizer,) = all_sum([tokens])
-            normalizer = max(normalizer, 1.0)
-            for i, (_, mb, weight) in enumerate(micro_batches(batch, group)):
-                mask = mb["completion_mask"].to(device)  # (b, c)
-                boundary = i == len(group) - 1  # we decide where the step is
-                # through the engines' forward: ZeRO-3 counts micro-steps there (see grpo.py)
-                actor.set_gradient_accumulation_boundary(boundary)
-                logps, entropy = forward_logps(
-                    actor,
-                    mb,
-                    args.temperature,
-                    args.packing,
-                    device,
-                    return_entropy=True,
-                    chunk_size=args.logprob_chunk_size,
-                )  # (b, c)
-                old_logps, advantages = mb["old_logps"].to(device), mb["advantages"].to(device)
-                pl, pm = policy_loss(logps, old_logps, advantages, mask, args.cliprange, normalizer)
-                # weight 0: a padding repeat
-                actor.backward(pl * weight * world, scale_wrt_gas=False)
-                critic.set_gradient_accumulation_boundary(boundary)
-                values = forward_values(critic, mb, args.packing, device)  # (b, c)
-                old_values, returns = mb["values"].to(device), mb["returns"].to(device)
-                vl, vm = value_loss(
-                    values, old_values, returns, mask, args.cliprange_value, normalizer
-                )
-                critic.backward(vl * weight * world, scale_wrt_gas=False)
-                if weight:
-                    # summed: the mean mini-batch loss
-                    metrics = {
-                        **pm,
-                        **vm,
-                        "entropy": (entropy.detach() * mask).sum(),
-                        "policy_loss": pl.detach() / n_updates,
-                        "value_loss": vl.detach() / n_updates,
-                    }
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
-            actor.step()
-            critic.step()
-            # DeepSpeed refused a non-finite step (alike on every rank): counted once per rank here
-            sums["skipped"] = (
-                sums.get("skipped", 0.0)
-                + (not actor.was_step_applied())
-                + (not critic.was_step_applied())
-            )
-    return sums
+    sums, n_updates = dict.fromkeys(UPDATE_METRICS, 0.0), args.ppo_epochs * len(groups)
+    phase = ledger.phase if ledger else lambda name: nullcontext()
+    with phase("update"):
+        for _ in range(args.ppo_epochs):
+            for group in groups:
+                normalizer = mini_batch_normalizer(batch, group)
+                for i, (_, mb, weight) in enumerate(micro_batches(batch, group)):
+                    metrics = train_micro_batch(
+                        actor,
+                        critic,
+                        mb,
+                        weight * world,
+                        i == len(group) - 1,
+                        normalizer,
+                        args,
+                        device,
+                    )
+                    if weight:
+                        metrics["policy_loss"] /= n_updates  # summed: the mean mini-batch loss
+                        metrics["value_loss"] /= n_updates
+                        for k, v in metrics.items():
+                            sums[k] += float(v)
+                actor.step()
+                critic.step()
+                # DeepSpeed refused a non-finite step (alike on every rank): counted once per rank
+                sums["skipped"] += (not actor.was_step_applied()) + (not critic.was_step_applied())
+    return dict(zip(UPDATE_METRICS, all_sum([sums[k] for k in UPDATE_METRICS])))
+
+
+def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, device):
+    """One micro-batch's forward and backward through both engines, its losses scaled by `scale`
+    (the world size, or 0 for a zero-weight repeat); `boundary`: the mini-batch's last, where the
+    optimizer step follows. Returns its metric sums."""
+    mask = mb["completion_mask"].to(device)  # (b, c)
+    # through the engines' forward: ZeRO-3 counts micro-steps there (see grpo.py)
+    actor.set_gradient_accumulation_boundary(boundary)
+    logps, entropy = forward_logps(
+        actor,
+        mb,
+        args.temperature,
+        args.packing,
+        device,
+        return_entropy=True,
+        chunk_size=args.logprob_chunk_size,
+    )  # (b, c)
+    old_logps, advantages = mb["old_logps"].to(device), mb["advantages"].to(device)
+    pl, pm = policy_loss(logps, old_logps, advantages, mask, args.cliprange, normalizer)
+    actor.backward(pl * scale, scale_wrt_gas=False)
+    critic.set_gradient_accumulation_boundary(boundary)
+    values = forward_values(critic, mb, args.packing, device)  # (b, c)
+    old_values, returns = mb["values"].to(device), mb["returns"].to(device)
+    vl, vm = value_loss(values, old_values, returns, mask, args.cliprange_value, normalizer)
+    critic.backward(vl * scale, scale_wrt_gas=False)
+    entropy = (entropy.detach() * mask).sum()
+    return {**pm, **vm, "entropy": entropy, "policy_loss": pl.detach(), "value_loss": vl.detach()}
 
 
 # ---- Evaluation ----------------------------------------------------------------------------------
@@ -914,13 +950,10 @@ def main(argv=None):
 
         # 6. update: ppo_epochs x mini-batches, micro-batches with accumulation ---------------
         t1 = time.time()
-        with ledger.phase("update"):
-            sums = train_on_batch(engine, critic_engine, batch, args, device)
+        totals = update(engine, critic_engine, batch, args, device, ledger)
         t_update = time.time() - t1
 
         # 7. logging and saving --------------------------------------------------------------
-        keys = sorted(sums)
-        totals = dict(zip(keys, all_sum([sums[k] for k in keys])))
         norms = [e.get_global_grad_norm() for e in (engine, critic_engine)]
         norms = None if None in norms else max(float(n) for n in norms)  # non-finite if either is
         guard.update(

@@ -6,8 +6,9 @@ arguments):
         --ds_config ...
 
 Letters: B sequences, C completion tokens scored (logits_to_keep), V vocabulary. Only a benchmark:
-grpo.py calls model_logps through its own module attribute, so replacing grpo.model_logps swaps
-every call.
+grpo.py scores every micro-batch through batching.forward_logps, which calls model_logps through
+batching's own module attribute, so replacing batching.model_logps swaps every call (old and
+reference log-probs and the update). tests/test_bench_patches.py fails if that name goes away.
 """
 
 import os
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import batching  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
 from checks import entry_code, exit_process  # noqa: E402
@@ -51,6 +53,6 @@ def naive_model_logps(
 
 
 if __name__ == "__main__":
-    grpo.model_logps = naive_model_logps
+    batching.model_logps = naive_model_logps
     torch.manual_seed(0)
     exit_process(entry_code(grpo.main))

@@ -3,7 +3,7 @@
 The policy runs in bf16 with DeepSpeed's bf16 mode (bf16 compute, fp32 master weights and gradient
 accumulation); the log-probs stay fp32 (logprobs.py). For ZeRO-2 and ZeRO-3 and micro-batch x
 accumulation = (4, 1), (2, 2), (1, 4) and a token budget, the gradient DeepSpeed has accumulated
-when grpo.train_on_batch reaches its optimizer step (read with deepspeed.utils.safe_get_full_grad)
+when grpo.update reaches its optimizer step (read with deepspeed.utils.safe_get_full_grad)
 must equal the fp32 gradient of the full-batch loss on one plain fp32 model, within TOLERANCE in
 relative L2 norm over all parameters.
 Usage: torchrun --nproc_per_node 2 tests/dist_bf16_accum.py MODEL_DIR
@@ -17,7 +17,6 @@ world size) is off by 25 % to 100 %, far outside it. The largest error measured 
 """
 
 import sys
-from types import SimpleNamespace
 
 import deepspeed
 import torch
@@ -25,8 +24,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad
 from transformers import AutoModelForCausalLM
 
-from batching import plan_micro_batches
-from grpo import grpo_loss, loss_normalizer, train_on_batch
+from grpo import grpo_loss, loss_normalizer, parse_args, update
 
 TOLERANCE = 3e-2
 model_dir = sys.argv[1]
@@ -58,15 +56,6 @@ with torch.no_grad():
     base = plain_logps(ref_model)
 old_logps = base + 0.3 * torch.randn(B, C)  # a previous iteration's policy: ratios leave 1
 advantages = torch.randn(B)
-args = SimpleNamespace(
-    temperature=1.0,
-    packing=False,
-    beta=0.0,
-    epsilon_low=0.2,
-    epsilon_high=0.28,
-    logprob_chunk_size=0,
-    loss_type="bnpo",
-)
 norm = loss_normalizer(cmask, "bnpo", C)
 loss, _ = grpo_loss(
     plain_logps(ref_model),
@@ -119,8 +108,11 @@ for stage in (2, 3):
             "ref_logps": None,
             "is_weights": None,
         }
-        plan = plan_micro_batches(batch, micro, budget)
-        train_on_batch(engine, batch, plan, args, norm, torch.device("cpu"))
+        # grpo.py's own Args: 2 prompts x 2 completions = 4 rows per rank, loss_type bnpo
+        argv = ["--prompts_per_rank", "2", "--num_generations", "2", "--epsilon_high", "0.28"]
+        argv += ["--max_completion_length", str(C), "--per_device_train_batch_size", str(micro)]
+        args = parse_args(argv + ["--max_tokens_per_microbatch", str(budget)])
+        update(engine, batch, args, torch.device("cpu"))
         err = torch.sqrt(sum(((got[n].double() - want[n].double()) ** 2).sum() for n in want))
         rel = (err / want_norm).item()
         worst = max(worst, rel)

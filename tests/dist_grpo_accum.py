@@ -3,21 +3,33 @@
 
 The whole batch is 8 completions, 4 per rank. For ZeRO-2 and ZeRO-3, every loss_type, and
 micro-batch x accumulation = (4, 1), (2, 2), (1, 4) and a token budget (uneven micro-batch counts
-across ranks), padded or packed (--packing), grpo.train_on_batch's loss must equal the full-batch
-loss and its SGD(lr=1) update minus the gradient of it, computed on one plain model.
+across ranks), padded or packed (--packing), grpo.update's loss (with grpo.py's own Args) must
+equal the full-batch loss and its SGD(lr=1) update minus the gradient of it, computed on one plain
+model. With a keep mask (ZeRO-3; ranks dropping different numbers of groups, one rank all of its
+own, every row), the update equals the full-batch update of the kept rows; dropping every row
+changes nothing. And grpo.dynamic_sampling on 2 ranks: ranks sample extra rounds in lockstep up to
+the cap, a rank left short marks its filler groups keep False, the stats are summed over ranks.
 Usage: torchrun --nproc_per_node 2 tests/dist_grpo_accum.py MODEL_DIR TMP_DIR
 """
 
 import sys
-from types import SimpleNamespace
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from batching import plan_micro_batches
-from grpo import LOSS_TYPES, grpo_loss, loss_normalizer, train_on_batch
+from generation import Generations
+from grpo import (
+    LOSS_TYPES,
+    batch_normalizer,
+    dynamic_sampling,
+    grpo_loss,
+    loss_normalizer,
+    micro_plan,
+    parse_args,
+    update,
+)
 from zero3_utils import gathered
 
 model_dir = sys.argv[1]
@@ -54,90 +66,163 @@ with torch.no_grad():
 old_logps = base + 0.3 * torch.randn(B, C)
 ref_logps = base + 0.3 * torch.randn(B, C)
 advantages = torch.randn(B)
-args = SimpleNamespace(
-    temperature=1.0, beta=0.04, epsilon_low=0.2, epsilon_high=0.28, logprob_chunk_size=0
-)
-# (micro-batch size, token budget, packing): packed micro-batches (one row, positions restarting
-# per sequence, batching.pack) give the same loss and update as padded ones
-CONFIGS = ((4, 0, False), (2, 0, False), (1, 0, False), (4, 22, False), (2, 0, True), (4, 22, True))
 
-failures = []
-for loss_type in LOSS_TYPES:
-    # the reference: full batch, one plain model, one backward
-    args.loss_type = loss_type
+
+def grpo_args(loss_type, micro, budget, packing):
+    """grpo.py's own Args: 2 prompts x 2 completions = 4 rows per rank."""
+    argv = ["--prompts_per_rank", "2", "--num_generations", "2", "--loss_type", loss_type]
+    argv += ["--beta", "0.04", "--epsilon_high", "0.28", "--max_completion_length", str(C)]
+    argv += ["--per_device_train_batch_size", str(micro), "--packing", str(packing)]
+    return parse_args(argv + ["--max_tokens_per_microbatch", str(budget)])
+
+
+def reference(loss_type, kept):
+    """Loss, normaliser and gradient of the full batch's kept rows on one plain model."""
     ref_model.zero_grad()
-    norm = loss_normalizer(cmask, loss_type, C)
+    norm = loss_normalizer(cmask[kept], loss_type, C)
     loss, _ = grpo_loss(
-        plain_logps(ref_model),
-        old_logps,
-        ref_logps,
-        advantages,
-        cmask,
-        beta=args.beta,
-        epsilon_low=args.epsilon_low,
-        epsilon_high=args.epsilon_high,
+        plain_logps(ref_model)[kept],
+        old_logps[kept],
+        ref_logps[kept],
+        advantages[kept],
+        cmask[kept],
+        beta=0.04,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
         loss_type=loss_type,
         normalizer=norm,
     )
     loss.backward()
-    want = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+    return loss.detach(), norm, {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+
+
+def check(label, stage, args, keep, want_loss, want_norm, want):
+    """grpo.update on 2 ranks (rows 4 * rank ... + 3 each) against the reference."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 4 // args.micro,
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config
+    )
+    mine = slice(4 * rank, 4 * rank + 4)
+    batch = {
+        "input_ids": ids[mine],
+        "attention_mask": am[mine],
+        "completion_mask": cmask[mine],
+        "advantages": advantages[mine],
+        "old_logps": old_logps[mine],
+        "ref_logps": ref_logps[mine],
+        "keep": None if keep is None else keep[mine],
+    }
+    label = f"{args.loss_type} zero{stage} {label}"
+    plan = micro_plan(batch, args)
+    got_norm = batch_normalizer(batch, plan, args)
+    if got_norm != want_norm:
+        failures.append(f"{label}: normaliser {got_norm} != {want_norm}")
+    totals = update(engine, batch, args, torch.device("cpu"))
+    kept = 8 if keep is None else int(keep.sum())
+    if totals["rows"] != kept or totals["updated"] != float(kept > 0):
+        failures.append(f"{label}: rows {totals['rows']} updated {totals['updated']}")
+    got_loss = torch.tensor(totals["loss"])  # summed over ranks: the full-batch loss
+    if not torch.allclose(got_loss, want_loss, rtol=1e-5, atol=1e-7):
+        failures.append(f"{label}: loss {got_loss.item():.8g} != {want_loss.item():.8g}")
+    with gathered(engine.module):
+        for n, p in engine.module.named_parameters():
+            got = before[n] - p.detach()  # SGD(lr=1): the applied gradient
+            if not torch.allclose(got, want[n], rtol=1e-4, atol=1e-7):
+                failures.append(
+                    f"{label} {n}: max err {(got - want[n]).abs().max():.3g} (grad max "
+                    f"{want[n].abs().max():.3g})"
+                )
+    if args.max_tokens_per_microbatch and rank == 0:
+        print(f"{label}: micro-batch sizes {[None if i is None else len(i) for i in plan]}")
+    engine.destroy()
+
+
+# (micro-batch size, token budget, packing): packed micro-batches (one row, positions restarting
+# per sequence, batching.pack) give the same loss and update as padded ones
+CONFIGS = ((4, 0, False), (2, 0, False), (1, 0, False), (4, 22, False), (2, 0, True), (4, 22, True))
+# rows kept (groups of 2; rank 0 holds rows 0-3, rank 1 rows 4-7): ranks dropping different
+# numbers of groups, all of rank 1's, and every row (then no update happens at all)
+KEEPS = {
+    "rank 1 drops 1 group": [1, 1, 1, 1, 1, 1, 0, 0],
+    "rank 0 drops 1, rank 1 all": [0, 0, 1, 1, 0, 0, 0, 0],
+    "all dropped": [0] * 8,
+}
+
+failures = []
+for loss_type in LOSS_TYPES:
+    # the reference: full batch, one plain model, one backward
+    loss, norm, want = reference(loss_type, torch.ones(B, dtype=torch.bool))
     for stage in (2, 3):
         for micro, budget, packing in CONFIGS:
-            args.packing = packing
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            before = {n: p.detach().clone() for n, p in model.named_parameters()}
-            config = {
-                "train_micro_batch_size_per_gpu": micro,
-                "gradient_accumulation_steps": 4 // micro,
-                "train_batch_size": 8,
-                "zero_optimization": {"stage": stage},
-                "gradient_clipping": 0.0,
-                "zero_allow_untested_optimizer": True,
-            }
-            engine, *_ = deepspeed.initialize(
-                model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config
+            args = grpo_args(loss_type, micro, budget, packing)
+            check(
+                f"micro={micro} budget={budget} packing={packing}",
+                stage,
+                args,
+                None,
+                loss,
+                norm,
+                want,
             )
-            mine = slice(4 * rank, 4 * rank + 4)
-            batch = {
-                "input_ids": ids[mine],
-                "attention_mask": am[mine],
-                "completion_mask": cmask[mine],
-                "advantages": advantages[mine],
-                "old_logps": old_logps[mine],
-                "ref_logps": ref_logps[mine],
-                "is_weights": None,
-            }
-            plan = plan_micro_batches(batch, micro, budget)
-            local = sum(
-                loss_normalizer(cmask[mine][i], loss_type, C) for i in plan if i is not None
-            )
-            total = torch.tensor(local)
-            dist.all_reduce(total)
-            assert total.item() == norm, (total.item(), norm)
-            sums = train_on_batch(engine, batch, plan, args, total.item(), torch.device("cpu"))
-            got_loss = torch.tensor(sums["loss"])  # this rank's share of the full-batch loss
-            dist.all_reduce(got_loss)
-            if not torch.allclose(got_loss, loss.detach(), rtol=1e-5, atol=1e-7):
-                failures.append(
-                    f"{loss_type} zero{stage} micro={micro} budget={budget} packing={packing}: "
-                    f"loss {got_loss.item():.8g} != {loss.item():.8g}"
-                )
-            with gathered(engine.module):
-                for n, p in engine.module.named_parameters():
-                    got = before[n] - p.detach()  # SGD(lr=1): the applied gradient
-                    if not torch.allclose(got, want[n], rtol=1e-4, atol=1e-7):
-                        failures.append(
-                            f"{loss_type} zero{stage} micro={micro} budget={budget} "
-                            f"packing={packing} {n}: "
-                            f"max err {(got - want[n]).abs().max():.3g} (grad max "
-                            f"{want[n].abs().max():.3g})"
-                        )
-            if budget and rank == 0:
-                print(
-                    f"token budget {budget}: micro-batch sizes "
-                    f"{[None if i is None else len(i) for i in plan]}"
-                )
-            engine.destroy()
+    for name, keep in KEEPS.items():
+        keep = torch.tensor(keep, dtype=torch.bool)
+        if keep.any():
+            loss, norm, want = reference(loss_type, keep)
+        else:  # no update: the weights stay as they are
+            loss, norm = torch.tensor(0.0), 0.0
+            want = {n: torch.zeros_like(p) for n, p in ref_model.named_parameters()}
+        for micro, budget in ((1, 0), (4, 22)):
+            args = grpo_args(loss_type, micro, budget, False)
+            check(f"{name} micro={micro} budget={budget}", 3, args, keep, loss, norm, want)
+
+
+def synthetic(group_rewards):
+    """A sample_groups() result without a model: groups of 2 completions with these rewards."""
+    n = len(group_rewards)
+    ids = torch.arange(n * 2 * 3).view(n * 2, 3) % 7 + 4  # (n * G, 3)
+    rewards = torch.tensor([r for g in group_rewards for r in g], dtype=torch.float32)
+    gens = Generations(ids, torch.ones_like(ids))
+    return {
+        "prompt_ids": [[5, g] for g in range(n)],
+        "gens": gens,
+        "rewards": rewards,
+        "per_func": {},
+    }
+
+
+# dynamic sampling on 2 ranks: rank 0 keeps 1 of its 2 first groups and finds spread in every
+# extra round, rank 1 never does; both ranks sample in lockstep until the cap
+args = parse_args(
+    ["--prompts_per_rank", "2", "--num_generations", "2", "--dynamic_sampling", "True"]
+    + ["--max_dynamic_sampling_rounds", "2"]
+)
+calls = []
+
+
+def sample_more(round_, n):
+    calls.append((round_, n))
+    return synthetic([[0.0, 1.0] if rank == 0 else [0.5, 0.5]] * n)
+
+
+first = synthetic([[0.0, 1.0], [1.0, 1.0]] if rank == 0 else [[1.0, 1.0], [0.0, 0.0]])
+sample, keep, stats = dynamic_sampling(first, sample_more, args, 0)
+want_keep = [True] * 4 if rank == 0 else [False] * 4
+if calls != [(1, 2), (2, 2)] or keep.tolist() != want_keep or len(sample["prompt_ids"]) != 2:
+    failures.append(f"dynamic sampling rank {rank}: calls {calls}, keep {keep.tolist()}")
+want_stats = {"dynamic/groups_dropped": 7.0, "dynamic/extra_rounds": 2, "dynamic/groups_short": 2.0}
+if stats != want_stats:
+    failures.append(f"dynamic sampling rank {rank}: {stats} != {want_stats}")
+if rank == 0 and sample["rewards"].view(2, 2).std(1).min() == 0:
+    failures.append("dynamic sampling kept a group without reward spread")
 
 if failures:
     print("\n".join(failures[:20]))

@@ -13,16 +13,14 @@ import json
 import math
 import os
 import sys
-from types import SimpleNamespace
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from batching import all_sum, plan_micro_batches
 from checks import EXIT_DIVERGED, RunError, StepGuard
-from grpo import loss_normalizer, train_on_batch
+from grpo import parse_args, update
 from zero3_utils import gathered, load_ds_config
 
 model_dir, config_dir = sys.argv[1:3]
@@ -42,15 +40,10 @@ batch = {
     "ref_logps": None,
     "is_weights": None,
 }
-args = SimpleNamespace(
-    temperature=1.0,
-    packing=False,
-    beta=0.0,
-    epsilon_low=0.2,
-    epsilon_high=0.2,
-    loss_type="bnpo",
-    logprob_chunk_size=0,
-    max_completion_length=C,
+# grpo.py's own Args: 2 prompts x 2 completions = 4 rows per rank, two micro-batches of 2
+args = parse_args(
+    ["--prompts_per_rank", "2", "--num_generations", "2", "--per_device_train_batch_size", "2"]
+    + ["--max_completion_length", str(C)]
 )
 
 
@@ -63,12 +56,7 @@ def step(engine, guard, n, nan_on_rank1):
     b = dict(batch, advantages=batch["advantages"].clone())
     if nan_on_rank1 and rank == 1:
         b["advantages"][0] = float("nan")
-    plan = plan_micro_batches(b, 2)  # two micro-batches: accumulation, as in the loop
-    (normalizer,) = all_sum(
-        [sum(loss_normalizer(b["completion_mask"][i], "bnpo", C) for i in plan)]
-    )
-    sums = train_on_batch(engine, b, plan, args, normalizer, torch.device("cpu"))
-    (loss,) = all_sum([sums["loss"]])
+    loss = update(engine, b, args, torch.device("cpu"))["loss"]  # summed over ranks
     norm = engine.get_global_grad_norm()
     guard.update(n, loss, None if norm is None else float(norm), not engine.was_step_applied())
     return engine.was_step_applied(), loss

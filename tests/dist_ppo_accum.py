@@ -1,14 +1,13 @@
 """torchrun worker (2 ranks): PPO accumulation equivalence on real DeepSpeed ZeRO-3.
 
 The mini-batch is 8 completions, 4 per rank. For micro-batch x accumulation = (4, 1), (1, 4),
-packed micro-batches of 2 and token-budget micro-batches (20 padded tokens),
-ppo.train_on_batch's SGD(lr=1) update of the actor AND the critic must equal minus the gradient
-of the full-batch policy / value loss computed on plain models.
+packed micro-batches of 2 and token-budget micro-batches (20 padded tokens), ppo.update's SGD(lr=1)
+update (with ppo.py's own Args) of the actor AND the critic must equal minus the gradient of the
+full-batch policy / value loss computed on plain models.
 Usage: torchrun --nproc_per_node 2 tests/dist_ppo_accum.py MODEL_DIR
 """
 
 import sys
-from types import SimpleNamespace
 
 import deepspeed
 import torch
@@ -16,7 +15,15 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from batching import micro_slice
-from ppo import build_critic, forward_logps, forward_values, policy_loss, train_on_batch, value_loss
+from ppo import (
+    build_critic,
+    forward_logps,
+    forward_values,
+    parse_args,
+    policy_loss,
+    update,
+    value_loss,
+)
 from zero3_utils import gathered
 
 model_dir = sys.argv[1]
@@ -54,14 +61,17 @@ full["old_logps"] = base_logps + 0.3 * torch.randn(B, C)  # ratios leave 1: clip
 full["values"] = base_values + 0.3 * torch.randn(B, C)  # old values differ: value clipping acts
 full["advantages"] = torch.randn(B, C) * cmask
 full["returns"] = torch.randn(B, C) * cmask
-args = SimpleNamespace(
-    ppo_epochs=1,
-    num_mini_batches=1,
-    temperature=1.0,
-    cliprange=0.2,
-    cliprange_value=0.05,
-    logprob_chunk_size=0,
-)
+
+
+def ppo_args(micro, packing, budget):
+    """ppo.py's own Args: 2 prompts x 2 completions = 4 rows per rank, one epoch, one mini-batch."""
+    argv = ["--prompts_per_rank", "2", "--num_generations", "2", "--ppo_epochs", "1"]
+    argv += ["--num_mini_batches", "1", "--cliprange", "0.2", "--cliprange_value", "0.05"]
+    argv += ["--micro_train_batch_size", str(micro), "--packing", str(packing)]
+    return parse_args(argv + ["--max_tokens_per_microbatch", str(budget)])
+
+
+args = ppo_args(4, False, 0)
 
 # the reference: full batch, plain models, one backward each
 n = float(cmask.sum())
@@ -92,7 +102,7 @@ failures = []
 # (micro-batch size, packing, token budget): a budget of 20 padded tokens makes micro-batches of
 # 1-3 length-sorted sequences (lengths 4-11), in an order of its own
 for micro, packing, budget in ((4, False, 0), (1, False, 0), (2, True, 0), (4, False, 20)):
-    args.packing = packing
+    args = ppo_args(micro, packing, budget)
     engines = {}
     for name, model in zip(("actor", "critic"), models()):
         config = {
@@ -112,8 +122,7 @@ for micro, packing, budget in ((4, False, 0), (1, False, 0), (2, True, 0), (4, F
             before.update({(name, k): p.detach().clone() for k, p in e.module.named_parameters()})
     mine = slice(4 * rank, 4 * rank + 4)
     batch = {k: v[mine] for k, v in full.items()}
-    args.micro, args.max_tokens_per_microbatch, args.num_mini_batches = micro, budget, 1
-    train_on_batch(engines["actor"], engines["critic"], batch, args, cpu)
+    update(engines["actor"], engines["critic"], batch, args, cpu)
     for name, e in engines.items():
         with gathered(e.module):
             for k, p in e.module.named_parameters():

@@ -14,6 +14,7 @@ from batching import (
     comm_device,
     encode_prompts,
     make_batch,
+    micro_batches,
     micro_slice,
     plan_micro_batches,
 )
@@ -86,6 +87,18 @@ def test_plan_by_token_budget(budget):
     assert torch.cat([lengths[i] for i in plan]).diff().ge(0).all()  # sorted by length
 
 
+@pytest.mark.parametrize("budget", [0, 20])
+def test_plan_covers_only_kept_rows(budget):
+    batch = ragged(B=8, seed=2)
+    keep = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1]).bool()
+    plan = plan_micro_batches(batch, 2, budget, keep=keep)
+    assert sorted(torch.cat(plan).tolist()) == [0, 2, 3, 6, 7]  # every kept row exactly once
+    everything = plan_micro_batches(batch, 2, budget, keep=keep.new_ones(8))
+    unmasked = plan_micro_batches(batch, 2, budget)
+    assert [i.tolist() for i in everything] == [i.tolist() for i in unmasked]  # all kept: the same
+    assert plan_micro_batches(batch, 2, budget, keep=keep.new_zeros(8)) == []  # one rank: nothing
+
+
 def test_micro_slice_cuts_padding_and_slices_every_entry():
     batch = ragged(B=6, P=5, C=4, seed=1)
     C = 4
@@ -112,6 +125,10 @@ def _collectives_worker(rank, init_file, results):
     try:
         batch = ragged(B=5 if rank == 0 else 2, seed=rank)  # rank 1 has fewer sequences
         plan = plan_micro_batches(batch, 2)
+        # rank 0 keeps rows 0, 2, 4; rank 1 none: only zero-weight repeats of its row 0
+        keep = torch.arange(batch["input_ids"].shape[0]) % 2 == 0 if rank == 0 else None
+        kept = plan_micro_batches(batch, 2, keep=keep if rank == 0 else torch.zeros(2).bool())
+        repeats = [(idx.tolist(), w) for idx, _, w in micro_batches(batch, kept)]
         summed = all_sum([1.5 * (rank + 1), rank])
         rows = all_cat(torch.full((3, 2), float(rank)))
         results[rank] = (
@@ -120,6 +137,7 @@ def _collectives_worker(rank, init_file, results):
             rows.tolist(),
             str(comm_device()),
             rows.device.type,
+            repeats,
         )
     finally:
         dist.destroy_process_group()
@@ -128,8 +146,10 @@ def _collectives_worker(rank, init_file, results):
 def test_collectives_on_two_gloo_processes(tmp_path):
     results = mp.Manager().dict()
     mp.spawn(_collectives_worker, args=(str(tmp_path / "init"), results), nprocs=2)
-    plan0, sum0, rows0, dev0, where0 = results[0]
-    plan1, sum1, rows1, dev1, where1 = results[1]
+    plan0, sum0, rows0, dev0, where0, kept0 = results[0]
+    plan1, sum1, rows1, dev1, where1, kept1 = results[1]
+    # a rank that kept no row runs as many zero-weight repeats as the other has micro-batches
+    assert kept0 == [([0, 2], 1.0), ([4], 1.0)] and kept1 == [([0], 0.0), ([0], 0.0)]
     # ranks agree on 3 micro-batches
     assert plan0 == [[0, 1], [2, 3], [4]] and plan1 == [[0, 1], None, None]
     assert sum0 == sum1 == [4.5, 1.0]

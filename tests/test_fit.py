@@ -103,6 +103,8 @@ def test_adapter_lowers_above_the_high_water_mark_raises_far_below_never_back():
 
     args = grpo.parse_args(["--memory_budget_gb", "10", "--per_device_train_batch_size", "2"])
     a = KnobAdapter(args, "grpo")
+    # a step that ran no update (every row dropped) is no evidence of spare memory
+    assert a.after_step({"rollout": 9.9 * GB}, 0, updated=False) == [] and args.micro == 2
     sizes = [r["fit/to"] for s in range(10) for r in a.after_step(peaks(1.0), s)]
     assert sizes == [4, 8, 16, 32, 64, 128] and args.micro == 128  # up to the whole batch
 

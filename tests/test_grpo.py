@@ -173,6 +173,122 @@ def test_grpo_loss_is_weights_and_errors():
         )
 
 
+def naive_gspo_loss(logps, old, ref, adv, mask, beta, el, eh, loss_type, C):
+    """GSPO (Zheng et al. 2025) sequence by sequence: s_i = exp(mean over its tokens of
+    logp - old), clipped as a whole; each token carries -min(s_i A_i, clip(s_i) A_i) (+ k3 KL)."""
+    total, tokens = 0.0, 0
+    for i in range(len(logps)):
+        toks = [t for t in range(len(logps[i])) if mask[i][t]]
+        s = torch.exp(sum(logps[i][t] - old[i][t] for t in toks) / max(len(toks), 1))
+        term = -torch.min(s * adv[i], s.clamp(1 - el, 1 + eh) * adv[i])
+        seq_sum = 0.0
+        for t in toks:
+            d = ref[i][t] - logps[i][t]
+            seq_sum = seq_sum + term + (beta * (torch.exp(d) - d - 1) if beta > 0 else 0.0)
+        tokens += len(toks)
+        total = total + (seq_sum / max(len(toks), 1) if loss_type == "grpo" else seq_sum)
+    return total / {"grpo": len(logps), "bnpo": tokens, "dr_grpo": len(logps) * C}[loss_type]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_gspo_sequence_level_matches_naive(loss_type, beta, iterations):
+    """--importance_sampling_level sequence: loss and gradient against a naive per-sequence loop,
+    with every loss_type."""
+    logps, old, ref, adv, mask = make_batch(iterations=iterations)
+    C = logps.shape[1]
+    naive_lp = logps.clone().requires_grad_(True)
+    want = naive_gspo_loss(naive_lp, old, ref, adv, mask.tolist(), beta, 0.1, 0.3, loss_type, C)
+    want.backward()
+    lp = logps.clone().requires_grad_(True)
+    kw = dict(beta=beta, epsilon_low=0.1, epsilon_high=0.3, loss_type=loss_type)
+    kw["normalizer"] = loss_normalizer(mask, loss_type, C)
+    old_ = old if iterations > 1 else None
+    ref_ = ref if beta else None
+    loss, _ = grpo_loss(lp, old_, ref_, adv, mask, importance_sampling_level="sequence", **kw)
+    loss.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(lp.grad, naive_lp.grad, rtol=1e-9, atol=1e-12)
+    token_lp = logps.clone().requires_grad_(True)
+    token, _ = grpo_loss(token_lp, old_, ref_, adv, mask, **kw)
+    token.backward()
+    if iterations > 1:  # ratios leave 1: the sequence-level loss is not the token-level one
+        assert abs(token.item() - loss.item()) > 1e-6
+    else:  # the old policy is the current one: both levels give the same update
+        torch.testing.assert_close(token_lp.grad, lp.grad, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        grpo_loss(lp, old_, ref_, adv, mask, importance_sampling_level="seq", **kw)
+
+
+def test_mask_truncated_completions_drops_rows_cut_at_the_length():
+    """A completion is truncated when it fills max_completion_length without ending in a stop id;
+    --mask_truncated_completions drops it from the update's plan (and so from the normaliser)."""
+    from generation import Generations
+    from grpo import keep_mask, micro_plan, parse_args, truncated
+
+    ids = torch.tensor([[5, 6, 2], [5, 2, 0], [5, 6, 7], [7, 0, 0]])  # stop id 2, C = 3
+    gens = Generations(ids, (ids != 0).long())
+    cut = truncated(gens, [2], 3)
+    assert cut.tolist() == [False, False, True, False]
+    am = torch.cat([torch.ones(4, 2, dtype=torch.long), gens.completion_mask], 1)
+    batch = {"input_ids": am, "attention_mask": am, "completion_mask": gens.completion_mask}
+    batch.update(truncated=cut, keep=torch.tensor([True, False, True, True]))  # row 1: dropped
+    on = parse_args(["--mask_truncated_completions", "True", "--per_device_train_batch_size", "2"])
+    off = parse_args(["--per_device_train_batch_size", "2"])
+    assert keep_mask(batch, on).tolist() == [True, False, False, True]
+    assert keep_mask(batch, off).tolist() == [True, False, True, True]
+    assert [i.tolist() for i in micro_plan(batch, on)] == [[0, 3]]
+    assert keep_mask({**batch, "keep": None}, on).tolist() == [True, True, False, True]
+
+
+def test_dynamic_sampling_refills_to_the_batch_size_and_stops_at_the_cap():
+    """One process: groups without reward spread out, extra rounds until N groups or the cap."""
+    from generation import Generations
+    from grpo import dynamic_sampling, parse_args
+
+    def sample(group_rewards):
+        n = len(group_rewards)
+        ids = torch.arange(n * 2 * (1 + n)).view(n * 2, 1 + n) + 4  # widths differ: padded
+        rewards = torch.tensor([r for g in group_rewards for r in g], dtype=torch.float64)
+        gens = Generations(ids, torch.ones_like(ids))
+        return {
+            "prompt_ids": [[g] for g in range(n)],
+            "gens": gens,
+            "rewards": rewards,
+            "per_func": {"f": rewards},
+        }
+
+    args = parse_args(
+        [
+            "--prompts_per_rank",
+            "3",
+            "--num_generations",
+            "2",
+            "--dynamic_sampling",
+            "True",
+            "--max_dynamic_sampling_rounds",
+            "3",
+        ]
+    )
+    rounds = iter([[[1.0, 1.0], [0.0, 1.0]], [[0.2, 0.3], [0.5, 0.6]]])
+    first = sample([[0.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # 1 group with spread
+    out, keep, stats = dynamic_sampling(first, lambda r, n: sample(next(rounds)), args, 0)
+    assert keep.tolist() == [True] * 6  # 1 + 1 + 2 groups kept, trimmed to 3
+    assert out["rewards"].tolist() == [0.0, 1.0, 0.0, 1.0, 0.2, 0.3]
+    assert stats == {
+        "dynamic/groups_dropped": 3.0,
+        "dynamic/extra_rounds": 2,
+        "dynamic/groups_short": 0.0,
+    }
+    assert out["gens"].completion_ids.shape == (6, 4) and out["per_func"]["f"].shape == (6,)
+    args.max_dynamic_sampling_rounds = 0  # no extra round: the flat groups fill in, keep False
+    out, keep, stats = dynamic_sampling(first, None, args, 0)
+    assert keep.tolist() == [True, True, False, False, False, False]
+    assert out["rewards"].tolist() == [0.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    assert stats["dynamic/groups_short"] == 2.0 and stats["dynamic/extra_rounds"] == 0
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batch_losses_sum_to_full_batch(loss_type):
     """docs/accumulation.md, "Accumulation never changes the update", on the pure function:
