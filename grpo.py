@@ -11,10 +11,9 @@ One step: each rank takes `prompts_per_rank` prompts, generates `num_generations
 completions for each (a whole group always lives on one rank: docs/accumulation.md, "Why
 whole groups stay on one rank"), scores them with the reward functions (with
 --dynamic_sampling, groups whose rewards are all equal are replaced by fresh ones), turns
-rewards into group-relative
-advantages, computes old/reference log-probs without gradients, then `update` trains the
-policy: the kept rows in micro-batches, each loss divided by the whole batch's normaliser,
-gradient accumulation and one optimizer step per iteration (docs/update.md).
+rewards into group-relative advantages, computes old/reference log-probs without gradients, then
+`update` trains the policy: the kept rows in micro-batches, each loss divided by the whole batch's
+normaliser, gradient accumulation and one optimizer step per iteration (docs/update.md).
 
 Letters in shape comments: B sequences in a (micro-)batch, P prompt tokens, C completion
 tokens (max_completion_length), T = P + C, G num_generations, N prompts, V vocabulary.
