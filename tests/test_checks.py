@@ -691,6 +691,32 @@ def test_run_sh_refuses_an_out_of_range_value(tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.parametrize(
+    "visible, vllm_devices, nproc",
+    [(None, None, 8), ("0,1", None, 2), ("4,5,6", "6", 2), ("", None, None)],
+)
+def test_run_sh_starts_one_rank_per_visible_gpu(tmp_path, visible, vllm_devices, nproc):
+    """On a host whose stand-in `nvidia-smi -L` lists 8 GPUs, run.sh starts one rank per GPU in
+    CUDA_VISIBLE_DEVICES when it is set (less those VLLM_DEVICES takes); an empty list is no GPU.
+    `--help` stops run.sh before any process starts."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100"; done\n')
+    smi.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC")}
+    env.update(PATH=f"{tmp_path}:{env['PATH']}", DEVICE="cpu")  # install.sh: the CPU stack here
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    if vllm_devices:
+        env["VLLM_DEVICES"] = vllm_devices
+    proc = subprocess.run(
+        ["bash", "run.sh", "grpo", "--help"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "processes per node" in ln]
+    want = [f"run.sh: {nproc} processes per node, {nproc} GPUs for training"] if nproc else []
+    assert lines == want, proc.stderr
+
+
 def test_run_sh_stops_bad_input_before_torchrun(tmp_path):
     bad = jsonl(tmp_path / "bad.jsonl", ['{"question": "1="}'])
     proc = run_sh("grpo", "--data", bad, env={"RUN_DIR": str(tmp_path / "run")}, wait=False)
