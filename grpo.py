@@ -93,6 +93,7 @@ from checks import (
     entry_code,
     exit_process,
     parse_args_quietly,
+    training_dtype,
 )
 from data import batch_rows
 from fit import KnobAdapter, estimate_run_memory, fit_to_budget
@@ -354,7 +355,7 @@ class Args:
     )
     lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
     lora_target_modules: str = arg("all-linear", "peft target_modules")
-    dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
+    dtype: str = arg("auto", "auto (bf16 on a GPU with bf16, else fp32), bf16 or fp32")
     pad_token: str = arg(
         "",
         "the pad token for a tokenizer that has none (its eos token is fine); empty: the "
@@ -416,11 +417,11 @@ def parse_args(argv=None):
         raise RunError(
             "--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)"
         )
-    check_attn_implementation(args.attn_implementation)  # flash attention: installed?
-    if args.report_to not in ("none", "wandb"):
-        raise RunError("--report_to: none or wandb")
     if args.dtype not in ("auto", "bf16", "fp32"):
         raise RunError("--dtype: auto, bf16 or fp32")
+    check_attn_implementation(args.attn_implementation, args.dtype)  # flash attention
+    if args.report_to not in ("none", "wandb"):
+        raise RunError("--report_to: none or wandb")
     if args.lora_r:
         try:
             import peft  # noqa: F401  (optional: only LoRA runs need it)
@@ -491,10 +492,7 @@ def preflight(args, rank, world):
     train_rows, eval_rows, model_path, config, tokenizer = check_inputs(args, rank)
     # --memory_budget_gb: the knobs set on args before the DeepSpeed JSON reads args.micro
     fit_to_budget(args, "grpo", world, print if rank == 0 else lambda *a, **k: None)
-    cuda = torch.cuda.is_available()
-    dtype = (
-        torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
-    )
+    dtype = training_dtype(args.dtype)
     ds_config = check_ds_config(
         lambda: deepspeed_config(args, world, config.hidden_size, dtype),
         args.ds_config,

@@ -104,6 +104,7 @@ from checks import (
     exit_process,
     load_tokenizer,
     parse_args_quietly,
+    training_dtype,
 )
 from critic import build_critic, forward_values
 from data import batch_rows
@@ -349,7 +350,7 @@ class Args:
     lora_r: int = arg(0, "> 0: LoRA adapters of this rank on actor and critic (peft)", ">= 0")
     lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
     lora_target_modules: str = arg("all-linear", "peft target_modules")
-    dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
+    dtype: str = arg("auto", "auto (bf16 on a GPU with bf16, else fp32), bf16 or fp32")
     pad_token: str = arg(
         "",
         "the pad token for a tokenizer that has none (its eos token is fine); empty: the "
@@ -394,11 +395,11 @@ class Args:
 def parse_args(argv=None):
     """Args, checked on their own (no file read yet); derived: funcs, weights, batch_size, micro."""
     args = parse_args_quietly(Args, argv)  # argparse's errors: exit 2; then each field's "range"
-    check_attn_implementation(args.attn_implementation)  # flash attention: installed?
-    if args.report_to not in ("none", "wandb"):
-        raise RunError("--report_to: none or wandb")
     if args.dtype not in ("auto", "bf16", "fp32"):
         raise RunError("--dtype: auto, bf16 or fp32")
+    check_attn_implementation(args.attn_implementation, args.dtype)  # flash attention
+    if args.report_to not in ("none", "wandb"):
+        raise RunError("--report_to: none or wandb")
     if args.reward_model and args.reward_funcs:
         raise RunError("give --reward_model or --reward_funcs, not both")
     if args.lora_r:
@@ -489,10 +490,7 @@ def preflight(args, rank, world):
             )
     # --memory_budget_gb: the knobs set on args before the DeepSpeed JSON reads args.micro
     fit_to_budget(args, "ppo", world, print if rank == 0 else lambda *a, **k: None)
-    cuda = torch.cuda.is_available()
-    dtype = (
-        torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
-    )
+    dtype = training_dtype(args.dtype)
     ds = check_ds_config(
         lambda: deepspeed_config(args, world, config.hidden_size, dtype, args.learning_rate),
         args.ds_config,

@@ -327,6 +327,17 @@ def test_unknown_loss_type_and_flags(env, capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("loop", [grpo, ppo], ids=["grpo", "ppo"])
+def test_flash_attention_in_fp32_is_refused(env, capsys, loop):
+    """flash-attn has bf16/fp16 kernels only: --dtype fp32 with it stops in the pre-flight, before
+    the check that flash-attn is installed and a GPU present (so on any machine)."""
+    assert fails(
+        capsys,
+        preflight(loop.main, env, "--attn_implementation", "flash_attention_2", "--dtype", "fp32"),
+        "flash_attention_2 runs in bf16/fp16 only and this run trains in fp32 (--dtype fp32)",
+    )
+
+
 def test_out_of_memory_names_the_phase_and_the_knob(capsys):
     """A real allocation failure (the CPU allocator's, 128 TiB) inside a ledger phase."""
 
