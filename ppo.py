@@ -844,8 +844,7 @@ def main(argv=None):
 
     def held_out(step, when):
         if vllm is not None:
-            vllm.wake_up()
-            vllm.sync_weights(engine)
+            vllm.sync_weights(engine)  # wakes it after sleep()
         reward, acc = evaluate(
             engine, vllm, reward_model, tokenizer, eval_rows, args, rank, world, device
         )
@@ -881,12 +880,11 @@ def main(argv=None):
         prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length, args.template_kwargs)
         if vllm is not None:
             with ledger.phase("weight_sync"):
-                vllm.wake_up()  # KV cache and weights back from sleep (no-op where unsupported)
-                vllm.sync_weights(engine)
+                vllm.sync_weights(engine)  # wakes it: weights, then its KV cache
         with ledger.phase("rollout"):
             gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
             if vllm is not None:
-                vllm.sleep()  # free vLLM's KV cache while the trainer works (GPU; CPU: a no-op)
+                vllm.sleep()  # colocated, GPU: its weights and KV cache freed
             completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
             batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
             plan = plan_micro_batches(batch, args.micro, args.max_tokens_per_microbatch)

@@ -89,6 +89,20 @@ def test_server_generation_logprobs_and_sync(tiny_model, server):
     assert "OK weight sync" in proc.stdout
 
 
+def test_server_never_sleeps(monkeypatch):
+    """The server's devices are its own: its argv has no --enable-sleep-mode even where CUDA is
+    available (sleep would copy every weight to host memory and back each step), and sleep() sends
+    nothing (the unreachable address below would fail any request)."""
+    from vllm_server import VLLMServerGenerator, server_argv
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert "--enable-sleep-mode" not in server_argv("m", 8000, tensor_parallel_size=2)
+    gen = VLLMServerGenerator.__new__(VLLMServerGenerator)  # no server: sleep() must not call it
+    gen.url, gen.rank, gen.timeout, gen.log_file = f"http://127.0.0.1:{free_port()}", 0, 5, "-"
+    gen.sleep()
+    assert not hasattr(gen, "wake_up")
+
+
 def test_unreachable_server_error():
     """One message naming the address and the log file, and the documented exit code."""
     import checks
