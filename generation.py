@@ -20,7 +20,9 @@ Public API
                   top_k=0, greedy=False, stop_token_ids=None) -> Generations (with logprobs)
         .sync_weights(model_or_engine, max_numel=2**26)  stream training weights into vLLM in place
         .last_sync_seconds                               wall seconds of the latest sync
-        .sleep() / .wake_up()                            free/restore the KV cache (GPU), else no-op
+        .sleep()             free weights and KV cache (GPU; level 2) until the next sync_weights
+    sampler_logp_gap(trainer_logps, gens) -> {sampling/sampling_logp_difference/mean, .../max}
+        |trainer - sampler| log-prob over every rank's completion tokens (collective)
     attn_implementation_for(model_path, requested)   "eager" under an attention soft-cap
     Generations: completion_ids (N*G, C) long, pad after EOS; completion_mask (N*G, C) long, 1 up to
         and including EOS; logprobs (N*G, C) float or None. Row i*G + g is prompt i's g-th sample.
@@ -44,6 +46,7 @@ import torch.distributed as dist
 from zero3_utils import (
     _module,
     all_max,
+    comm_device,
     gathered,
     is_sharded,
     is_zero3,
@@ -59,6 +62,22 @@ class Generations:
     completion_ids: torch.Tensor  # (N*G, C) long
     completion_mask: torch.Tensor  # (N*G, C) long
     logprobs: torch.Tensor | None = None  # (N*G, C) float: the sampler's log-prob of each token
+
+
+def sampler_logp_gap(trainer_logps, gens):
+    """How far the sampler's log-probs are from the trainer's on the same tokens, over every
+    rank's completion tokens (TRL's sampling/sampling_logp_difference): float noise when vLLM holds
+    the trainer's weights in the same dtype; bf16 puts it near 1e-2, a stale or half-loaded weight
+    far above. trainer_logps (N*G, C), gens with the sampler's logprobs; collective."""
+    mask = gens.completion_mask.float()  # (N*G, C)
+    gap = (trainer_logps.float().cpu() - gens.logprobs).abs() * mask  # (N*G, C)
+    sums = torch.tensor([gap.sum(), mask.sum()], dtype=torch.float64, device=comm_device())
+    top = gap.max().reshape(1).to(comm_device())  # (1,)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    name = "sampling/sampling_logp_difference"
+    return {f"{name}/mean": (sums[0] / sums[1].clamp(min=1)).item(), f"{name}/max": top.item()}
 
 
 @contextmanager

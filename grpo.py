@@ -97,7 +97,12 @@ from checks import (
 )
 from data import batch_rows
 from fit import KnobAdapter, estimate_run_memory, fit_to_budget
-from generation import attn_implementation_for, generate_hf, unwrap_for_generation
+from generation import (
+    attn_implementation_for,
+    generate_hf,
+    sampler_logp_gap,
+    unwrap_for_generation,
+)
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
 from memory import MemoryLedger
 from runlog import RunLog
@@ -786,6 +791,12 @@ def main(argv=None):
             adapters_off = nullcontext() if ref is not None else engine.module.disable_adapter()
             with ledger.phase("ref_logprobs"), adapters_off:
                 batch["ref_logps"] = batch_logps(reference, batch, plan, args, device)
+        if vllm is not None:  # vLLM sampled these tokens: does it hold the trainer's weights?
+            trainer_logps = batch["old_logps"]
+            if trainer_logps is None:
+                with ledger.phase("old_logprobs"):
+                    trainer_logps = batch_logps(engine.module, batch, plan, args, device)
+            sampler_gap = sampler_logp_gap(trainer_logps, gens)
         # vLLM sampled these tokens; the trainer scores them a bit differently
         if args.vllm_importance_cap > 0:
             gap = (batch["old_logps"] - gens.logprobs) * gens.completion_mask  # (B, C)
@@ -860,6 +871,8 @@ def main(argv=None):
         # how far vLLM's log-probs are from the trainer's (1 = identical)
         if args.vllm_importance_cap > 0:
             row["vllm_is_ratio"] = is_ratio_sums[0] / is_ratio_sums[1]
+        if vllm is not None:
+            row.update(sampler_gap)
         log.record(row)
         for change in knob_changes:  # for the next step
             log.record(change)

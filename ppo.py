@@ -109,7 +109,12 @@ from checks import (
 from critic import build_critic, forward_values
 from data import batch_rows
 from fit import KnobAdapter, estimate_run_memory, fit_to_budget
-from generation import attn_implementation_for, generate_hf, unwrap_for_generation
+from generation import (
+    attn_implementation_for,
+    generate_hf,
+    sampler_logp_gap,
+    unwrap_for_generation,
+)
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
@@ -896,6 +901,8 @@ def main(argv=None):
         with ledger.phase("logprobs"):
             batch.update(rollout_forwards(scorers, batch, plan))
 
+        if vllm is not None:
+            sampler_gap = sampler_logp_gap(batch["old_logps"], gens)
         # 5. per-token rewards, GAE, whitened advantages ------------------------------------------
         mask = batch["completion_mask"]  # (B, C)
         rewards, kl = token_rewards(
@@ -967,6 +974,8 @@ def main(argv=None):
         }
         if per_func:
             row["accuracy"] = (seq_stats[:, 2:] >= 1).all(1).float().mean().item()
+        if vllm is not None:  # vLLM sampled these tokens: does it hold the trainer's weights?
+            row.update(sampler_gap)
         log.record(row)
         for change in knob_changes:  # for the next step
             log.record(change)
