@@ -21,6 +21,7 @@ Public API
         .sync_weights(model_or_engine, max_numel=2**26)  stream training weights into vLLM in place
         .last_sync_seconds                               wall seconds of the latest sync
         .sleep()             free weights and KV cache (GPU; level 2) until the next sync_weights
+        .sleeping_bytes()    what torch's allocator still counts for it while it sleeps (GPU)
     sampler_logp_gap(trainer_logps, gens) -> {sampling/sampling_logp_difference/mean, .../max}
         |trainer - sampler| log-prob over every rank's completion tokens (collective)
     attn_implementation_for(model_path, requested)   "eager" under an attention soft-cap
@@ -297,6 +298,7 @@ class VLLMGenerator:
                 if start <= rank < start + self.tp:
                     self.tp_group = group
         self.sleep_supported = _vllm_sleep_supported()
+        allocated = torch.cuda.memory_allocated() if self.sleep_supported else 0
         self.llm = LLM(
             model=model_path,
             tensor_parallel_size=self.tp,
@@ -309,6 +311,9 @@ class VLLMGenerator:
             logprobs_mode=logprobs_mode,
             **llm_kwargs,
         )
+        # vLLM's weights and KV cache come from torch's allocator (torch.cuda.memory_allocated
+        # counts them); sleep unmaps their memory but keeps the tensors, so torch still does
+        self.pool_bytes = torch.cuda.memory_allocated() - allocated if self.sleep_supported else 0
         self.asleep = False
         self.last_sync_seconds = 0.0  # wall seconds of the latest sync_weights (logged per step)
         self.pad_token_id = getattr(self.llm.get_tokenizer(), "pad_token_id", None) or 0
@@ -399,6 +404,14 @@ class VLLMGenerator:
         self.asleep = False
         self.last_sync_seconds = time.time() - t0
 
+    def sleeping_bytes(self):
+        """Bytes torch.cuda.memory_allocated counts for vLLM that hold no device memory now (0
+        awake, and on CPU): the memory ledger's not_resident. Both bounds measured: what vLLM's
+        start-up added to torch's count, and what its last sleep gave back to the device."""
+        if not (self.asleep and self.sleep_supported):
+            return 0
+        return max(0, min(self.pool_bytes, self.freed_bytes))
+
     def sleep(self):
         """After a rollout: free vLLM's weights and KV cache while training runs (level 2: the
         weights are dropped, not copied to host memory; the next sync_weights loads them). vLLM's
@@ -406,5 +419,9 @@ class VLLMGenerator:
         sync_weights) and nothing is freed."""
         self.llm.reset_prefix_cache()
         if self.sleep_supported:
+            torch.cuda.synchronize()
+            free = torch.cuda.mem_get_info()[0]
             self.llm.sleep(level=2)
+            # device memory the sleep released, measured as vLLM's worker logs it
+            self.freed_bytes = torch.cuda.mem_get_info()[0] - free
         self.asleep = True

@@ -743,7 +743,8 @@ def main(argv=None):
         log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
-    ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
+    # peak memory per phase: CUDA allocated (less a sleeping vLLM's pool), or RSS on CPU
+    ledger = MemoryLedger(device, OOM_HINTS, vllm.sleeping_bytes if vllm is not None else None)
     # skipped non-finite steps: counted, and a stop after a few in a row
     guard = StepGuard(args.max_bad_steps)
     adapter = KnobAdapter(args, "grpo")  # --memory_budget_gb: update-neutral knobs between steps

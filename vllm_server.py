@@ -13,6 +13,7 @@ Public API
                   top_k=0, greedy=False) -> Generations (with the sampler's logprobs)
         .sync_weights(model_or_engine, max_numel=2**26)   collective: every training rank calls it
         .sleep()                nothing: the server's devices are its own (no sleep mode)
+        .sleeping_bytes()       0: none of its memory is on the training devices
         .last_sync_seconds      wall seconds of the latest sync_weights
     vllm_generator(args, model_path, dtype, max_model_len, pad_token_id)
         the loops' generator for --vllm_mode (colocate: generation.VLLMGenerator; server: this
@@ -305,6 +306,10 @@ class VLLMServerGenerator:
         if dist.is_initialized():
             dist.barrier()  # no rank generates before the server holds the new weights
         self.last_sync_seconds = time.time() - t0
+
+    def sleeping_bytes(self):
+        """0: none of the server's memory is on the training devices."""
+        return 0
 
     def sleep(self):
         """Nothing: the server's devices are its own, so freeing its memory while training runs

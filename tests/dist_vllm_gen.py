@@ -128,6 +128,7 @@ def main(model_dir, out_dir):
     ok("weight sync: vLLM == updated HF, != before")
 
     gen.sleep()  # GPU: level 2 (weights dropped); CPU: the same state, nothing freed
+    assert gen.sleeping_bytes() == 0  # CPU: nothing freed, so the memory ledger subtracts 0
     try:
         gen.generate(prompts, max_new_tokens=10, greedy=True)
         raise AssertionError("generate while asleep did not refuse")
