@@ -504,15 +504,31 @@ def long_prompt_warning(prompt_lengths, max_prompt_length):
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 
 
-def check_attn_implementation(name):
+def training_dtype(name):
+    """--dtype's torch dtype: auto is bf16 on a CUDA GPU with native bf16 (compute capability 8 on:
+    A100, H100; not V100 or T4, where vLLM refuses bf16), fp32 elsewhere."""
+    if name == "auto":
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)  # False without CUDA
+        return torch.bfloat16 if bf16 else torch.float32
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def check_attn_implementation(name, dtype="auto"):
     """--attn_implementation is one transformers knows, and flash attention can load here (its
-    package, flash-attn, is installed and a CUDA GPU is present): not at the first forward."""
+    package, flash-attn, is installed, a CUDA GPU is present, and the run trains in bf16: flash
+    attention has no fp32 kernels): not at the first forward."""
     if name not in ATTN_IMPLEMENTATIONS:
         raise RunError(
             f"--attn_implementation {name}: choose one of {', '.join(ATTN_IMPLEMENTATIONS)}"
         )
     if name != "flash_attention_2":
         return
+    fp32 = (
+        "--attn_implementation flash_attention_2 runs in bf16/fp16 only and this run trains in "
+        "fp32 ({}): use --attn_implementation sdpa{}"
+    )
+    if dtype == "fp32":
+        raise RunError(fp32.format("--dtype fp32", " or --dtype bf16"))
     if importlib.util.find_spec("flash_attn") is None:
         raise RunError(
             "--attn_implementation flash_attention_2 needs the flash-attn package, which is not "
@@ -524,6 +540,8 @@ def check_attn_implementation(name):
             "--attn_implementation flash_attention_2 runs on CUDA GPUs only and none is visible: "
             "use --attn_implementation sdpa"
         )
+    if training_dtype(dtype) == torch.float32:
+        raise RunError(fp32.format("--dtype auto on a GPU without bf16", ""))
 
 
 def check_partitioned_loading(models):

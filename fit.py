@@ -30,7 +30,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from checks import RunError, check_model_path, read_ds_json
+from checks import RunError, check_model_path, read_ds_json, training_dtype
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
 from memory import GB, PRESETS, estimate_memory, format_table, model_shape, print_estimate
 from tasks import TASK_CHARS
@@ -85,7 +85,7 @@ def estimate_kwargs(args, loop, world):
         zero_stage=zero.get("stage", 0),
         offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") != "none",
         offload_params=zero.get("offload_param", {}).get("device", "none") != "none",
-        dtype="bf16" if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else "fp32",
+        dtype="bf16" if training_dtype(args.dtype) == torch.bfloat16 else "fp32",
         gradient_checkpointing=args.gradient_checkpointing,
         seq_len=S,
         completion_len=args.max_completion_length,

@@ -20,7 +20,10 @@ Public API
                   top_k=0, greedy=False, stop_token_ids=None) -> Generations (with logprobs)
         .sync_weights(model_or_engine, max_numel=2**26)  stream training weights into vLLM in place
         .last_sync_seconds                               wall seconds of the latest sync
-        .sleep() / .wake_up()                            free/restore the KV cache (GPU), else no-op
+        .sleep()             free weights and KV cache (GPU; level 2) until the next sync_weights
+        .sleeping_bytes()    what torch's allocator still counts for it while it sleeps (GPU)
+    sampler_logp_gap(trainer_logps, gens) -> {sampling/sampling_logp_difference/mean, .../max}
+        |trainer - sampler| log-prob over every rank's completion tokens (collective)
     attn_implementation_for(model_path, requested)   "eager" under an attention soft-cap
     Generations: completion_ids (N*G, C) long, pad after EOS; completion_mask (N*G, C) long, 1 up to
         and including EOS; logprobs (N*G, C) float or None. Row i*G + g is prompt i's g-th sample.
@@ -34,7 +37,6 @@ modules that fit in N bytes gathered and hook-free for the whole generation and 
 layer by layer; measured between gathered and sharded on both speed and memory (docs/generation.md).
 """
 
-import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ import torch.distributed as dist
 from zero3_utils import (
     _module,
     all_max,
+    comm_device,
     gathered,
     is_sharded,
     is_zero3,
@@ -54,14 +57,28 @@ from zero3_utils import (
     without_hooks,
 )
 
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class Generations:
     completion_ids: torch.Tensor  # (N*G, C) long
     completion_mask: torch.Tensor  # (N*G, C) long
     logprobs: torch.Tensor | None = None  # (N*G, C) float: the sampler's log-prob of each token
+
+
+def sampler_logp_gap(trainer_logps, gens):
+    """How far the sampler's log-probs are from the trainer's on the same tokens, over every
+    rank's completion tokens (TRL's sampling/sampling_logp_difference): float noise when vLLM holds
+    the trainer's weights in the same dtype; bf16 puts it near 1e-2, a stale or half-loaded weight
+    far above. trainer_logps (N*G, C), gens with the sampler's logprobs; collective."""
+    mask = gens.completion_mask.float()  # (N*G, C)
+    gap = (trainer_logps.float().cpu() - gens.logprobs).abs() * mask  # (N*G, C)
+    sums = torch.tensor([gap.sum(), mask.sum()], dtype=torch.float64, device=comm_device())
+    top = gap.max().reshape(1).to(comm_device())  # (1,)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    name = "sampling/sampling_logp_difference"
+    return {f"{name}/mean": (sums[0] / sums[1].clamp(min=1)).item(), f"{name}/max": top.item()}
 
 
 @contextmanager
@@ -281,6 +298,7 @@ class VLLMGenerator:
                 if start <= rank < start + self.tp:
                     self.tp_group = group
         self.sleep_supported = _vllm_sleep_supported()
+        allocated = torch.cuda.memory_allocated() if self.sleep_supported else 0
         self.llm = LLM(
             model=model_path,
             tensor_parallel_size=self.tp,
@@ -293,6 +311,9 @@ class VLLMGenerator:
             logprobs_mode=logprobs_mode,
             **llm_kwargs,
         )
+        # vLLM's weights and KV cache come from torch's allocator (torch.cuda.memory_allocated
+        # counts them); sleep unmaps their memory but keeps the tensors, so torch still does
+        self.pool_bytes = torch.cuda.memory_allocated() - allocated if self.sleep_supported else 0
         self.asleep = False
         self.last_sync_seconds = 0.0  # wall seconds of the latest sync_weights (logged per step)
         self.pad_token_id = getattr(self.llm.get_tokenizer(), "pad_token_id", None) or 0
@@ -313,23 +334,35 @@ class VLLMGenerator:
         (batching.stop_token_ids: a chat template's end of turn); kept in it, as eos is."""
         from vllm import SamplingParams
 
-        if self.asleep:
-            raise RuntimeError("VLLMGenerator.generate called while asleep: call wake_up() first")
-        params = SamplingParams(
-            n=num_generations,
-            max_tokens=max_new_tokens,
-            logprobs=0,
-            temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p,
-            top_k=0 if greedy else top_k,
-            stop_token_ids=list(stop_token_ids or []),
-        )
+        if self.asleep:  # level 2 dropped the weights: only a sync brings them back
+            raise RuntimeError("VLLMGenerator.generate called while asleep: call sync_weights()")
+
+        def params(seed):
+            return SamplingParams(
+                n=num_generations,
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                temperature=0.0 if greedy else temperature,
+                top_p=1.0 if greedy else top_p,
+                top_k=0 if greedy else top_k,
+                stop_token_ids=list(stop_token_ids or []),
+                seed=seed,  # vLLM gives sample g of a request seed + g: prompts G apart
+            )
+
+        # Every request seeded: vLLM then samples it from a generator of its own, whatever else
+        # is in the batch and whatever each rank's global RNG holds. The seeds come from torch's
+        # generator, which the loops seed from (seed, step, rank) every step, so vLLM sampling
+        # replays on --resume; a TP group takes its first rank's draw, so all its ranks (one
+        # engine, TP all-reduces between them) sample the same tokens.
+        base = int(torch.randint(2**31, ()))
         local = [list(p) for p in prompts]
         if self.tp > 1:  # the TP group shares one engine: all its ranks submit the same prompts
             parts = [None] * self.tp
-            dist.all_gather_object(parts, local, group=self.tp_group)
-            offset = sum(len(p) for p in parts[: dist.get_rank(self.tp_group)])
-            local_range, local = (offset, offset + len(local)), [p for part in parts for p in part]
+            dist.all_gather_object(parts, (base, local), group=self.tp_group)
+            base = parts[0][0]
+            offset = sum(len(p) for _, p in parts[: dist.get_rank(self.tp_group)])
+            local_range = (offset, offset + len(local))
+            local = [p for _, part in parts for p in part]
         size = self.vllm_batch_size or max(len(local), 1)
         batches = [local[i : i + size] for i in range(0, len(local), size)]
         # External-launcher engines step in lockstep: every rank makes the same number of calls.
@@ -337,8 +370,9 @@ class VLLMGenerator:
         outputs = []
         for b in range(n_calls):
             batch = batches[b] if b < len(batches) else [[0]]  # a 1-token dummy, output dropped
+            seeds = [base + (b * size + i) * num_generations for i in range(len(batch))]
             result = self.llm.generate(
-                [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False
+                [{"prompt_token_ids": p} for p in batch], [params(s) for s in seeds], use_tqdm=False
             )
             if b < len(batches):
                 outputs += result  # in request order
@@ -356,32 +390,38 @@ class VLLMGenerator:
         )
 
     def sync_weights(self, model_or_engine, max_numel=2**26):
-        """Stream the training weights into vLLM in place (collective: every rank calls it)."""
-        self._check_awake()
+        """Stream the training weights into vLLM in place (collective: every rank calls it); wakes
+        it after sleep() in TRL's order (vllm_generation.py): the weights' memory mapped again,
+        the weights loaded, then the KV cache."""
         t0 = time.time()
+        if self.asleep and self.sleep_supported:
+            torch.cuda.empty_cache()  # the trainer's cached blocks back to the device first
+            self.llm.wake_up(tags=["weights"])
         _vllm_reload_weights(self.llm, iter_full_params(model_or_engine, max_numel=max_numel))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        if self.asleep and self.sleep_supported:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.asleep = False
         self.last_sync_seconds = time.time() - t0
 
-    def _check_awake(self):
-        if self.asleep:
-            raise RuntimeError("VLLMGenerator is asleep: call wake_up() first")
+    def sleeping_bytes(self):
+        """Bytes torch.cuda.memory_allocated counts for vLLM that hold no device memory now (0
+        awake, and on CPU): the memory ledger's not_resident. Both bounds measured: what vLLM's
+        start-up added to torch's count, and what its last sleep gave back to the device."""
+        if not (self.asleep and self.sleep_supported):
+            return 0
+        return max(0, min(self.pool_bytes, self.freed_bytes))
 
     def sleep(self):
-        """Free vLLM's KV cache while training runs (GPU only; a logged no-op elsewhere)."""
-        if not self.sleep_supported:
-            if not getattr(self, "_warned_sleep", False):
-                log.warning(
-                    "vLLM sleep mode is not available on this platform (CPU): sleep()/wake_up() do "
-                    "nothing"
-                )
-                self._warned_sleep = True
-            return
+        """After a rollout: free vLLM's weights and KV cache while training runs (level 2: the
+        weights are dropped, not copied to host memory; the next sync_weights loads them). vLLM's
+        CPU backend has no sleep mode: there the state is the same (generate refuses until
+        sync_weights) and nothing is freed."""
         self.llm.reset_prefix_cache()
-        self.llm.sleep(level=1)
+        if self.sleep_supported:
+            torch.cuda.synchronize()
+            free = torch.cuda.mem_get_info()[0]
+            self.llm.sleep(level=2)
+            # device memory the sleep released, measured as vLLM's worker logs it
+            self.freed_bytes = torch.cuda.mem_get_info()[0] - free
         self.asleep = True
-
-    def wake_up(self):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False

@@ -99,10 +99,17 @@ from checks import (
     entry_code,
     exit_process,
     parse_args_quietly,
+    training_dtype,
 )
 from data import batch_rows
 from fit import KnobAdapter, estimate_run_memory, fit_to_budget
-from generation import Generations, attn_implementation_for, generate_hf, unwrap_for_generation
+from generation import (
+    Generations,
+    attn_implementation_for,
+    generate_hf,
+    sampler_logp_gap,
+    unwrap_for_generation,
+)
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
 from memory import MemoryLedger
 from runlog import RunLog
@@ -399,7 +406,7 @@ class Args:
     )
     lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
     lora_target_modules: str = arg("all-linear", "peft target_modules")
-    dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
+    dtype: str = arg("auto", "auto (bf16 on a GPU with bf16, else fp32), bf16 or fp32")
     pad_token: str = arg(
         "",
         "the pad token for a tokenizer that has none (its eos token is fine); empty: the "
@@ -466,11 +473,11 @@ def parse_args(argv=None):
         raise RunError(
             "--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)"
         )
-    check_attn_implementation(args.attn_implementation)  # flash attention: installed?
-    if args.report_to not in ("none", "wandb"):
-        raise RunError("--report_to: none or wandb")
     if args.dtype not in ("auto", "bf16", "fp32"):
         raise RunError("--dtype: auto, bf16 or fp32")
+    check_attn_implementation(args.attn_implementation, args.dtype)  # flash attention
+    if args.report_to not in ("none", "wandb"):
+        raise RunError("--report_to: none or wandb")
     if args.lora_r:
         try:
             import peft  # noqa: F401  (optional: only LoRA runs need it)
@@ -541,10 +548,7 @@ def preflight(args, rank, world):
     train_rows, eval_rows, model_path, config, tokenizer = check_inputs(args, rank)
     # --memory_budget_gb: the knobs set on args before the DeepSpeed JSON reads args.micro
     fit_to_budget(args, "grpo", world, print if rank == 0 else lambda *a, **k: None)
-    cuda = torch.cuda.is_available()
-    dtype = (
-        torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
-    )
+    dtype = training_dtype(args.dtype)
     ds_config = check_ds_config(
         lambda: deepspeed_config(args, world, config.hidden_size, dtype),
         args.ds_config,
@@ -946,8 +950,7 @@ def rollout(engine, vllm, tokenizer, train_rows, step, args, ledger):
     rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N : (rank + 1) * N]
     if vllm is not None:
         with ledger.phase("weight_sync"):
-            vllm.wake_up()  # KV cache and weights back from sleep (no-op where unsupported)
-            vllm.sync_weights(engine)
+            vllm.sync_weights(engine)  # wakes it: weights, then its KV cache
     with ledger.phase("rollout"):
         sample = first = sample_groups(engine, vllm, tokenizer, rows, args)
         keep, dynamic = None, {}
@@ -959,7 +962,7 @@ def rollout(engine, vllm, tokenizer, train_rows, step, args, ledger):
 
             sample, keep, dynamic = dynamic_sampling(first, more, args, tokenizer.pad_token_id)
         if vllm is not None:
-            vllm.sleep()  # free vLLM's KV cache while the trainer works (GPU; CPU: a no-op)
+            vllm.sleep()  # colocated, GPU: its weights and KV cache freed
         return first, to_batch(sample, keep, args, tokenizer.pad_token_id), dynamic
 
 
@@ -1071,15 +1074,15 @@ def main(argv=None):
 
     def held_out(step, when):
         if vllm is not None:
-            vllm.wake_up()
-            vllm.sync_weights(engine)
+            vllm.sync_weights(engine)  # wakes it after sleep()
         reward, acc = evaluate(engine, vllm, tokenizer, eval_rows, args, rank, world)
         n = len(eval_rows)
         say(f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {n} prompts)")
         log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
-    ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
+    # peak memory per phase: CUDA allocated (less a sleeping vLLM's pool), or RSS on CPU
+    ledger = MemoryLedger(device, OOM_HINTS, vllm.sleeping_bytes if vllm is not None else None)
     # skipped non-finite steps: counted, and a stop after a few in a row
     guard = StepGuard(args.max_bad_steps)
     adapter = KnobAdapter(args, "grpo")  # --memory_budget_gb: update-neutral knobs between steps
@@ -1113,6 +1116,13 @@ def main(argv=None):
                 batch["ref_logps"] = batch_logps(reference, batch, plan, args, device)
         if args.vllm_importance_cap > 0:  # vLLM sampled these tokens; the trainer scores them
             batch["is_weights"], dynamic["vllm_is_ratio"] = vllm_importance_weights(batch, args)
+        if vllm is not None:  # vLLM sampled these tokens: does it hold the trainer's weights?
+            trainer_logps = batch["old_logps"]
+            if trainer_logps is None:
+                with ledger.phase("old_logprobs"):
+                    trainer_logps = batch_logps(engine.module, batch, plan, args, device)
+            sampled = Generations(None, batch["completion_mask"], batch["sampler_logps"])
+            dynamic.update(sampler_logp_gap(trainer_logps, sampled))
 
         # 5. update: keep mask, micro-batches, whole-batch normaliser, optimizer steps ---------
         t1 = time.time()

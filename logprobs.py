@@ -252,8 +252,9 @@ class _FusedLogps(torch.autograd.Function):
     """Forward keeps only lse (N,) and entropy (N,); backward recomputes each (C, v) tile.
 
     The recompute costs one extra (C, H) @ (H, v) matmul per tile: the price of never
-    storing (N, V). Gradients accumulate in fp32 in place (addmm_): dH[rows] += d @ W[cols],
-    dW[cols] += d^T @ h, db[cols] += d.sum(0), so no temporary exceeds a tile. A soft-cap
+    storing (N, V). Gradients accumulate in fp32: dH[rows] += d @ W[cols], dW[cols] += d^T @ h
+    (matmuls in the model's dtype, d rounded to it, as the forward's), db[cols] += d.sum(0), so
+    no temporary exceeds a tile. A soft-cap
     costs one more (C, v) tile in backward: its derivative, taken before the tile is
     overwritten by the gradient.
     """
@@ -316,12 +317,16 @@ class _FusedLogps(torch.autograd.Function):
                 d = _tile_grad(z, v0, targets[rows], lse[rows], g_logp[rows], ent, g_ent)  # (C, v)
                 if softcap:
                     d.mul_(dcap)  # (C, v) d(loss)/dx
-                if need_h:
-                    grad_h[rows].addmm_(d, weight[cols].to(acc))  # (C, H) += (C, v) @ (v, H)
-                if need_w:
-                    grad_w[cols].addmm_(d.t(), h.to(acc))  # (v, H) += (v, C) @ (C, H)
                 if need_b:
-                    grad_b[cols] += d.sum(0)  # (v,)
+                    grad_b[cols] += d.sum(0)  # (v,) from the fp32 tile
+                # the two matmuls in the model's dtype, as the forward's (bf16: the tensor
+                # cores, fp32 accumulation inside), each tile's product summed in fp32
+                if need_h or need_w:
+                    d = d.to(weight.dtype)  # (C, v) no copy in fp32
+                if need_h:
+                    grad_h[rows] += d @ weight[cols]  # (C, H) += (C, v) @ (v, H)
+                if need_w:
+                    grad_w[cols] += d.t() @ h  # (v, H) += (v, C) @ (C, H)
                 del z, d, dcap
         return (
             grad_h.to(hidden.dtype) if need_h else None,

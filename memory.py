@@ -13,7 +13,12 @@
     python memory.py --model qwen2.5-7b --zero_stage 3 --offload_optimizer --device_gb 80
 
 Measured: on CUDA, torch.cuda.max_memory_allocated (reset per phase: torch's own allocations
-only, not the CUDA context or a vLLM pool outside torch's allocator); on CPU, the process's peak
+only, not the CUDA context). A colocated vLLM allocates its weights and KV cache through torch's
+allocator, and its sleep unmaps that memory but keeps the tensors, so torch still counts it:
+`not_resident` (VLLMGenerator.sleeping_bytes: what vLLM's start-up added to
+torch.cuda.memory_allocated, while it sleeps) is subtracted from a phase vLLM sleeps through
+(old/ref log-probs, update, optimizer step), not from the rollout or the weight sync, during
+which it wakes or works. On CPU, the process's peak
 resident set (Linux VmHWM, reset per phase through /proc/self/clear_refs; elsewhere the
 never-reset ru_maxrss), which includes the ~0.5 GB Python/torch runtime and whatever is offloaded.
 
@@ -71,9 +76,12 @@ class MemoryLedger:
     phase, its peak so far and `hints[phase]`: the knob that lowers that phase's peak (the loop
     knows its own knobs' names)."""
 
-    def __init__(self, device, hints=None):
+    def __init__(self, device, hints=None, not_resident=None):
         self.device = torch.device(device)
         self.hints = hints or {}
+        # () -> bytes the measure counts that hold no memory now: a sleeping vLLM's pool
+        # (VLLMGenerator.sleeping_bytes), subtracted from a phase it sleeps through
+        self.not_resident = not_resident or (lambda: 0)
         self.cuda = self.device.type == "cuda"
         self.linux = os.path.exists("/proc/self/clear_refs")
         self.step = {}  # phase -> peak bytes this step (max over repeats of the phase)
@@ -115,7 +123,8 @@ class MemoryLedger:
             )
         self._open = name
         self.reset_peak()
-        start = self.current()
+        asleep = self.not_resident()
+        start = self.current() - asleep
         try:
             yield
         except (torch.OutOfMemoryError, RuntimeError) as e:
@@ -123,7 +132,10 @@ class MemoryLedger:
                 raise
             raise torch.OutOfMemoryError(self._oom_message(name, e)) from e
         finally:
-            peak, self._open = self.peak(), None
+            # vLLM asleep from start to end: its pool is not in this phase's peak; awake at
+            # either end (weight_sync wakes it, rollout puts it to sleep): counted
+            asleep = min(asleep, self.not_resident())
+            peak, self._open = self.peak() - asleep, None
             self.step[name] = max(self.step.get(name, 0), peak)
             self.run[name] = max(self.run.get(name, 0), peak)
             self.rise[name] = max(self.rise.get(name, 0), peak - start)

@@ -105,11 +105,17 @@ from checks import (
     exit_process,
     load_tokenizer,
     parse_args_quietly,
+    training_dtype,
 )
 from critic import build_critic, forward_values
 from data import batch_rows
 from fit import KnobAdapter, estimate_run_memory, fit_to_budget
-from generation import attn_implementation_for, generate_hf, unwrap_for_generation
+from generation import (
+    attn_implementation_for,
+    generate_hf,
+    sampler_logp_gap,
+    unwrap_for_generation,
+)
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, positions_from_mask
 from memory import MemoryLedger
 from runlog import RunLog
@@ -350,7 +356,7 @@ class Args:
     lora_r: int = arg(0, "> 0: LoRA adapters of this rank on actor and critic (peft)", ">= 0")
     lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
     lora_target_modules: str = arg("all-linear", "peft target_modules")
-    dtype: str = arg("auto", "auto (bf16 on GPU, fp32 on CPU), bf16 or fp32")
+    dtype: str = arg("auto", "auto (bf16 on a GPU with bf16, else fp32), bf16 or fp32")
     pad_token: str = arg(
         "",
         "the pad token for a tokenizer that has none (its eos token is fine); empty: the "
@@ -395,11 +401,11 @@ class Args:
 def parse_args(argv=None):
     """Args, checked on their own (no file read yet); derived: funcs, weights, batch_size, micro."""
     args = parse_args_quietly(Args, argv)  # argparse's errors: exit 2; then each field's "range"
-    check_attn_implementation(args.attn_implementation)  # flash attention: installed?
-    if args.report_to not in ("none", "wandb"):
-        raise RunError("--report_to: none or wandb")
     if args.dtype not in ("auto", "bf16", "fp32"):
         raise RunError("--dtype: auto, bf16 or fp32")
+    check_attn_implementation(args.attn_implementation, args.dtype)  # flash attention
+    if args.report_to not in ("none", "wandb"):
+        raise RunError("--report_to: none or wandb")
     if args.reward_model and args.reward_funcs:
         raise RunError("give --reward_model or --reward_funcs, not both")
     if args.lora_r:
@@ -490,10 +496,7 @@ def preflight(args, rank, world):
             )
     # --memory_budget_gb: the knobs set on args before the DeepSpeed JSON reads args.micro
     fit_to_budget(args, "ppo", world, print if rank == 0 else lambda *a, **k: None)
-    cuda = torch.cuda.is_available()
-    dtype = (
-        torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
-    )
+    dtype = training_dtype(args.dtype)
     ds = check_ds_config(
         lambda: deepspeed_config(args, world, config.hidden_size, dtype, args.learning_rate),
         args.ds_config,
@@ -882,8 +885,7 @@ def main(argv=None):
 
     def held_out(step, when):
         if vllm is not None:
-            vllm.wake_up()
-            vllm.sync_weights(engine)
+            vllm.sync_weights(engine)  # wakes it after sleep()
         reward, acc = evaluate(
             engine, vllm, reward_model, tokenizer, eval_rows, args, rank, world, device
         )
@@ -904,7 +906,8 @@ def main(argv=None):
     bar = tqdm(
         range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="ppo"
     )
-    ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
+    # peak memory per phase: CUDA allocated (less a sleeping vLLM's pool), or RSS on CPU
+    ledger = MemoryLedger(device, OOM_HINTS, vllm.sleeping_bytes if vllm is not None else None)
     # skipped non-finite steps: counted, and a stop after a few in a row
     guard = StepGuard(args.max_bad_steps)
     adapter = KnobAdapter(args, "ppo")  # --memory_budget_gb: update-neutral knobs between steps
@@ -919,12 +922,11 @@ def main(argv=None):
         prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length, args.template_kwargs)
         if vllm is not None:
             with ledger.phase("weight_sync"):
-                vllm.wake_up()  # KV cache and weights back from sleep (no-op where unsupported)
-                vllm.sync_weights(engine)
+                vllm.sync_weights(engine)  # wakes it: weights, then its KV cache
         with ledger.phase("rollout"):
             gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
             if vllm is not None:
-                vllm.sleep()  # free vLLM's KV cache while the trainer works (GPU; CPU: a no-op)
+                vllm.sleep()  # colocated, GPU: its weights and KV cache freed
             completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
             batch = make_batch(prompt_ids, gens, tokenizer.pad_token_id)
             plan = plan_micro_batches(batch, args.micro, args.max_tokens_per_microbatch)
@@ -936,6 +938,8 @@ def main(argv=None):
         with ledger.phase("logprobs"):
             batch.update(rollout_forwards(scorers, batch, plan))
 
+        if vllm is not None:
+            sampler_gap = sampler_logp_gap(batch["old_logps"], gens)
         # 5. per-token rewards, GAE, whitened advantages ------------------------------------------
         mask = batch["completion_mask"]  # (B, C)
         rewards, kl = token_rewards(
@@ -1004,6 +1008,8 @@ def main(argv=None):
         }
         if per_func:
             row["accuracy"] = (seq_stats[:, 2:] >= 1).all(1).float().mean().item()
+        if vllm is not None:  # vLLM sampled these tokens: does it hold the trainer's weights?
+            row.update(sampler_gap)
         log.record(row)
         for change in knob_changes:  # for the next step
             log.record(change)

@@ -8,7 +8,8 @@
 #   DS_CONFIG=configs/zero3_offload.json bash run.sh                  # ZeRO-3 with CPU offload
 #
 # Environment:
-#   NPROC        processes per node (default: the number of GPUs, or 2 on a CPU-only machine)
+#   NPROC        processes per node (default: the number of GPUs (those in CUDA_VISIBLE_DEVICES when
+#                it is set), or 2 on a CPU-only machine)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT    several nodes: run this on each with its NODE_RANK
 #                and the same RUN_DIR on a shared filesystem
 #   DS_CONFIG    DeepSpeed JSON (default configs/zero3.json; also zero2.json, zero3_offload.json);
@@ -46,6 +47,9 @@ if [[ $# -gt 0 && ( $1 == grpo || $1 == ppo ) ]]; then ALGO=$1; shift; fi
 [[ -f $ALGO.py ]] || { echo "run.sh: $ALGO.py not found" >&2; exit 1; }
 
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [[ $GPUS -gt 0 && -n ${CUDA_VISIBLE_DEVICES+set} ]]; then   # torch sees only this list
+  IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"; GPUS=${#visible[@]}
+fi
 if [[ -n ${VLLM_DEVICES:-} && $GPUS -gt 0 ]]; then   # training keeps the GPUs the server does not take
   IFS=, read -ra all_devs <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $(( GPUS - 1 )))}"
   IFS=, read -ra server_devs <<< "$VLLM_DEVICES"
@@ -54,6 +58,7 @@ if [[ -n ${VLLM_DEVICES:-} && $GPUS -gt 0 ]]; then   # training keeps the GPUs t
   GPUS=${#train_devs[@]}
 fi
 NPROC=${NPROC:-$(( GPUS > 0 ? GPUS : 2 ))}
+[[ $GPUS == 0 ]] || echo "run.sh: $NPROC processes per node, $GPUS GPUs for training" >&2
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # less fragmentation with changing sequence lengths
 export TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 if [[ $GPUS == 0 ]]; then

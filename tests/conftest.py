@@ -99,6 +99,14 @@ def finish(proc, timeout=600):
     return out
 
 
+def assert_vllm_holds_trainer_weights(rows, tol=1e-4):
+    """Every step's sampler-vs-trainer log-prob gap (fp32) is float noise: vLLM samples from the
+    weights the trainer has (a stale or half-synced weight puts it far above)."""
+    for r in rows:
+        gap = r["sampling/sampling_logp_difference/max"]
+        assert 0 <= r["sampling/sampling_logp_difference/mean"] <= gap < tol, r
+
+
 def train_rows(run_dir):
     """The per-step training rows of a run's metrics.jsonl."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

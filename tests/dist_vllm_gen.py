@@ -127,11 +127,17 @@ def main(model_dir, out_dir):
     )
     ok("weight sync: vLLM == updated HF, != before")
 
-    gen.sleep()  # CPU: a logged no-op
-    gen.wake_up()
+    gen.sleep()  # GPU: level 2 (weights dropped); CPU: the same state, nothing freed
+    assert gen.sleeping_bytes() == 0  # CPU: nothing freed, so the memory ledger subtracts 0
+    try:
+        gen.generate(prompts, max_new_tokens=10, greedy=True)
+        raise AssertionError("generate while asleep did not refuse")
+    except RuntimeError as e:
+        assert "asleep" in str(e), e
+    gen.sync_weights(engine, max_numel=20000)  # wakes: weights, load, KV cache
     again = gen.generate(prompts, max_new_tokens=10, greedy=True)
     assert torch.equal(again.completion_ids, synced.completion_ids)
-    ok("sleep/wake")
+    ok("sleep, then sync_weights wakes it")
     dist.barrier()
     print(f"rank {rank} DONE", flush=True)
 

@@ -47,6 +47,28 @@ def main(model_dir):
 
     before = gen.generate(prompts, max_new_tokens=10, greedy=True).completion_ids
     assert torch.equal(before, hf_greedy()), f"TP vLLM != HF\n{before}\n{hf_greedy()}"
+
+    def sample():  # temperature 1, each rank's torch seeded differently, as the loops do
+        torch.manual_seed(1234 + 7 * rank)
+        return gen.generate(prompts, num_generations=2, max_new_tokens=10, temperature=1.0)
+
+    # Ranks of one TP group sample the same tokens: were they to differ, the TP all-reduces would
+    # mix two sequences and the sampler's log-probs would not be the model's (HF's) log-probs.
+    first = sample()
+    with unwrap_for_generation(engine, gather=True) as m:
+        for i, (ids, mask, lp) in enumerate(
+            zip(first.completion_ids, first.completion_mask, first.logprobs)
+        ):
+            n = int(mask.sum())
+            seq = torch.tensor([prompts[i // 2] + ids[:n].tolist()])
+            logits = m(seq).logits[0, len(prompts[i // 2]) - 1 : -1].float()  # (n, V)
+            ref = torch.log_softmax(logits, -1).gather(-1, ids[:n, None]).squeeze(-1)  # (n,)
+            assert (ref - lp[:n]).abs().max() < 1e-3, (rank, i, ref, lp[:n])
+    # the same seeds replay the same completions (--resume), in other batches too
+    gen.vllm_batch_size = 1
+    again = sample()
+    assert torch.equal(again.completion_ids, first.completion_ids), (again, first)
+    print(f"rank {rank} OK sampling: TP ranks agree with HF's log-probs, replayed", flush=True)
     batch = torch.tensor([tok("hello world, hello world")["input_ids"]])
     for _ in range(2):
         engine.backward(engine(input_ids=batch, labels=batch).loss)

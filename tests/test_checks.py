@@ -327,6 +327,17 @@ def test_unknown_loss_type_and_flags(env, capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("loop", [grpo, ppo], ids=["grpo", "ppo"])
+def test_flash_attention_in_fp32_is_refused(env, capsys, loop):
+    """flash-attn has bf16/fp16 kernels only: --dtype fp32 with it stops in the pre-flight, before
+    the check that flash-attn is installed and a GPU present (so on any machine)."""
+    assert fails(
+        capsys,
+        preflight(loop.main, env, "--attn_implementation", "flash_attention_2", "--dtype", "fp32"),
+        "flash_attention_2 runs in bf16/fp16 only and this run trains in fp32 (--dtype fp32)",
+    )
+
+
 def test_out_of_memory_names_the_phase_and_the_knob(capsys):
     """A real allocation failure (the CPU allocator's, 128 TiB) inside a ledger phase."""
 
@@ -689,6 +700,32 @@ def test_run_sh_refuses_an_out_of_range_value(tmp_path):
     ]
     assert lines == ["error: --temperature 0.0: must be > 0"] and "Traceback" not in out, out
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    "visible, vllm_devices, nproc",
+    [(None, None, 8), ("0,1", None, 2), ("4,5,6", "6", 2), ("", None, None)],
+)
+def test_run_sh_starts_one_rank_per_visible_gpu(tmp_path, visible, vllm_devices, nproc):
+    """On a host whose stand-in `nvidia-smi -L` lists 8 GPUs, run.sh starts one rank per GPU in
+    CUDA_VISIBLE_DEVICES when it is set (less those VLLM_DEVICES takes); an empty list is no GPU.
+    `--help` stops run.sh before any process starts."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100"; done\n')
+    smi.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC")}
+    env.update(PATH=f"{tmp_path}:{env['PATH']}", DEVICE="cpu")  # install.sh: the CPU stack here
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    if vllm_devices:
+        env["VLLM_DEVICES"] = vllm_devices
+    proc = subprocess.run(
+        ["bash", "run.sh", "grpo", "--help"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "processes per node" in ln]
+    want = [f"run.sh: {nproc} processes per node, {nproc} GPUs for training"] if nproc else []
+    assert lines == want, proc.stderr
 
 
 def test_run_sh_stops_bad_input_before_torchrun(tmp_path):

@@ -52,13 +52,15 @@ def test_zero3_generation(tiny_model, tiny_tied_model, tmp_path):
 def test_vllm_generation(tiny_model, tmp_path):
     """One vLLM engine per rank, started from a save_hf checkpoint: vllm_batch_size=3 on 10 prompts
     == one call (ranks with 4 and 3 batches), HF greedy == vLLM greedy, sampler logprobs == HF
-    log-softmax, weight sync after a training step, sleep/wake no-op on CPU."""
+    log-softmax, weight sync after a training step, sleep (generate refuses until a sync)."""
     proc = torchrun("tests/dist_vllm_gen.py", tiny_model, tmp_path)
     assert proc.stdout.count("DONE") == 2, proc.stdout[-3000:]
 
 
 def test_vllm_tensor_parallel(tiny_model):
     """tensor_parallel_size=2: one engine across both ranks; each rank gets its own prompts'
-    outputs, equal to HF greedy before and after a training step + weight sync."""
+    outputs, equal to HF greedy before and after a training step + weight sync; at temperature 1
+    the sampler's log-probs equal HF's (both ranks sampled the same tokens), and the same seeds
+    replay them."""
     proc = torchrun("tests/dist_vllm_tp_gen.py", tiny_model)
     assert proc.stdout.count("DONE") == 2, proc.stdout[-3000:]

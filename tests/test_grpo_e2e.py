@@ -89,6 +89,7 @@ def test_zero2_vllm_reference_iterations(tmp_path):
         assert r["ratio"] != 1.0  # ... and from the old policy
         # weights synced into vLLM: its log-probs of its own samples match the trainer's
         assert r["vllm_is_ratio"] == pytest.approx(1.0, abs=1e-3)
+    conftest.assert_vllm_holds_trainer_weights(rows)
     assert "held-out reward: start" in out
 
 

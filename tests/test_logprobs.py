@@ -258,6 +258,39 @@ def test_fused_logps_bf16():
         close(a, r, 2e-2 * r.abs().max().item())
 
 
+class MatmulDtypes(TorchDispatchMode):
+    """The input dtypes of every matrix product run inside it."""
+
+    def __enter__(self):
+        self.seen = set()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.seen |= {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_logps_bf16_backward_matmuls_in_bf16_near_fp64():
+    """A bf16 model's backward multiplies in bf16 (an fp32 matmul would run on a GPU's fp32 cores,
+    as slow as the body's whole forward and backward at 7B), and its gradients stay within bf16
+    rounding of the float64 gradients of the same bf16 weights."""
+    hidden, weight, b, targets = make_head(N=40, H=32, V=300, dtype=torch.bfloat16)
+    inputs = [hidden, weight, b]
+    logp = fused_logps(
+        hidden, weight, targets, bias=b, temperature=0.8, chunk_size=16, vocab_chunk_size=64
+    )
+    with MatmulDtypes() as mode:
+        got = grads(logp, inputs)
+    assert mode.seen == {torch.bfloat16}, mode.seen
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    ref, _ = naive_head(*exact[:2], exact[2], targets, 0.8)  # float64 throughout
+    close(logp, ref, 2e-2)
+    for a, r in zip(got, grads(ref.float(), exact)):  # the same random functional as got
+        assert a.dtype == torch.bfloat16
+        close(a, r, 1e-2 * r.abs().max().item())  # bf16 keeps 8 bits: 2^-8 = 0.4%
+
+
 def test_fused_logps_frozen_weight_and_no_grad():
     hidden, weight, _, targets = make_head(bias=False)
     weight.requires_grad_(False)

@@ -53,6 +53,32 @@ def test_ledger_sees_an_allocation_inside_a_phase():
                 pass
 
 
+@linux
+def test_ledger_leaves_out_a_sleeping_vllm_pool():
+    """On CUDA, torch keeps counting a sleeping vLLM's pool (sleep unmaps its memory, not its
+    tensors); the ledger subtracts not_resident (VLLMGenerator.sleeping_bytes) from a phase vLLM
+    sleeps through, and not from one in which it wakes or falls asleep. Here a resident 200 MiB
+    tensor stands for that pool, so the same subtraction shows on the CPU measure."""
+    pool = {"bytes": 0}
+    ledger = MemoryLedger("cpu", not_resident=lambda: pool["bytes"])
+    x = torch.ones(50 * 2**20)  # 200 MiB, every page touched
+    for name, at_start, at_end in [
+        ("awake", 0, 0),
+        ("asleep", 200 * MB, 200 * MB),
+        ("wakes", 200 * MB, 0),  # weight_sync
+        ("falls_asleep", 0, 200 * MB),  # rollout
+    ]:
+        pool["bytes"] = at_start
+        with ledger.phase(name):
+            pool["bytes"] = at_end
+    step = ledger.step
+    assert abs(step["awake"] - step["asleep"] - 200 * MB) < 30 * MB, step
+    assert abs(step["wakes"] - step["awake"]) < 30 * MB, step
+    assert abs(step["falls_asleep"] - step["awake"]) < 30 * MB, step
+    assert ledger.rise["asleep"] < 20 * MB and ledger.rise["wakes"] > 170 * MB, ledger.rise
+    del x
+
+
 def test_parameter_count_matches_real_models():
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 

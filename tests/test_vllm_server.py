@@ -89,6 +89,20 @@ def test_server_generation_logprobs_and_sync(tiny_model, server):
     assert "OK weight sync" in proc.stdout
 
 
+def test_server_never_sleeps(monkeypatch):
+    """The server's devices are its own: its argv has no --enable-sleep-mode even where CUDA is
+    available (sleep would copy every weight to host memory and back each step), and sleep() sends
+    nothing (the unreachable address below would fail any request)."""
+    from vllm_server import VLLMServerGenerator, server_argv
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert "--enable-sleep-mode" not in server_argv("m", 8000, tensor_parallel_size=2)
+    gen = VLLMServerGenerator.__new__(VLLMServerGenerator)  # no server: sleep() must not call it
+    gen.url, gen.rank, gen.timeout, gen.log_file = f"http://127.0.0.1:{free_port()}", 0, 5, "-"
+    gen.sleep()
+    assert not hasattr(gen, "wake_up")
+
+
 def test_unreachable_server_error():
     """One message naming the address and the log file, and the documented exit code."""
     import checks
@@ -102,7 +116,8 @@ def test_unreachable_server_error():
 
 @pytest.mark.parametrize("mode", ["colocate", "server"])
 def test_run_sh_ppo_vllm(tmp_path, mode):
-    """2 PPO steps generating with vLLM, colocated or from a server run.sh starts and stops."""
+    """2 PPO steps generating with vLLM, colocated or from a server run.sh starts and stops; each
+    step's sampler-vs-trainer log-prob gap is float noise (vLLM holds the synced weights)."""
     run_dir = tmp_path / "run"
     env = {"RUN_DIR": str(run_dir)} | ({"VLLM_DEVICES": "cpu"} if mode == "server" else {})
     out = conftest.run_sh(
@@ -111,6 +126,7 @@ def test_run_sh_ppo_vllm(tmp_path, mode):
     rows = train_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2], out[-3000:]
     assert all(r["weight_sync_s"] > 0 for r in rows)
+    conftest.assert_vllm_holds_trainer_weights(rows)  # untied embeddings
     if mode == "server":
         assert "vLLM server answers at" in out
         assert (run_dir / "vllm_server.log").stat().st_size > 0
