@@ -248,10 +248,13 @@ def fit_to_budget(args, loop, world, say=print):
     auto = ""
     if not args.memory_budget_gb:
         share = machine_share()
-        kw = estimate_kwargs(args, loop, world)
-        need = max(estimate_memory(**kw)["phases"].values()) + runtime
-        if share is None or need <= share:
+        try:
+            need = max(estimate_memory(**estimate_kwargs(args, loop, world))["phases"].values())
+        except RunError:  # a model the estimate cannot size: run as given (the flag would stop)
             return None
+        if share is None or need + runtime <= share:
+            return None
+        need += runtime
         where = "free on the GPU" if torch.cuda.is_available() else "available to each rank"
         auto = (
             f"the estimate's highest phase needs {need / GB:.2f} GB per rank, over the "
