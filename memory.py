@@ -41,7 +41,8 @@ S tokens per sequence (prompt + completion), C completion tokens, m micro-batch 
 - optimizer step: + the fp32 gradient partition 4N/W (mixed precision) + torch Adam's two fp32
   temporaries of the tensor it steps (one parameter, or the flat ZeRO partition); fused Adam: none;
 - HF generation: KV cache 2 L k d b per token of every sequence in flight, plus (sequences, V)
-  fp32 logits x3 (logits, probabilities, top-p sort); vLLM: gpu_memory_utilization x device.
+  fp32 logits x3 (logits, probabilities, top-p sort); vLLM: gpu_memory_utilization x device
+  (on CPU, vllm_bytes: its KV cache space, its own copy of the weights and its runtime).
 The largest phase is the pre-flight verdict; `knobs_to_fit` lists the changes that get under it.
 """
 
@@ -76,12 +77,16 @@ class MemoryLedger:
     phase, its peak so far and `hints[phase]`: the knob that lowers that phase's peak (the loop
     knows its own knobs' names)."""
 
-    def __init__(self, device, hints=None, not_resident=None):
+    def __init__(self, device, hints=None, not_resident=None, phase_file=None):
         self.device = torch.device(device)
         self.hints = hints or {}
         # () -> bytes the measure counts that hold no memory now: a sleeping vLLM's pool
         # (VLLMGenerator.sleeping_bytes), subtracted from a phase it sleeps through
         self.not_resident = not_resident or (lambda: 0)
+        # phase_file: "<phase>\t<hint>" while a phase runs, empty between phases. A process the
+        # kernel kills (SIGKILL: its out-of-memory killer) cannot say where it was; run.sh reads
+        # the file it left and names the phase and the knob (a phase that ended is never named).
+        self.phase_file = phase_file
         self.cuda = self.device.type == "cuda"
         self.linux = os.path.exists("/proc/self/clear_refs")
         self.step = {}  # phase -> peak bytes this step (max over repeats of the phase)
@@ -122,6 +127,7 @@ class MemoryLedger:
                 f"memory phase {name!r} opened inside {self._open!r}: phases do not nest"
             )
         self._open = name
+        self._mark(f"{name}\t{self.hints.get(name, 'see README, Troubleshooting memory')}\n")
         self.reset_peak()
         asleep = self.not_resident()
         start = self.current() - asleep
@@ -135,10 +141,16 @@ class MemoryLedger:
             # vLLM asleep from start to end: its pool is not in this phase's peak; awake at
             # either end (weight_sync wakes it, rollout puts it to sleep): counted
             asleep = min(asleep, self.not_resident())
+            self._mark("")
             peak, self._open = self.peak() - asleep, None
             self.step[name] = max(self.step.get(name, 0), peak)
             self.run[name] = max(self.run.get(name, 0), peak)
             self.rise[name] = max(self.rise.get(name, 0), peak - start)
+
+    def _mark(self, text):
+        if self.phase_file:
+            with open(self.phase_file, "w") as f:
+                f.write(text)
 
     def _oom_message(self, name, e):
         total = (
@@ -303,6 +315,7 @@ def estimate_memory(
     use_vllm=False,
     gpu_memory_utilization=0.3,
     device_gb=80.0,
+    vllm_bytes=None,
     vllm_sleep=False,
     gather_for_generation=True,
     generation_batch_size=256,
@@ -361,7 +374,9 @@ def estimate_memory(
     )
     reward_n = model_shape(reward_config)["N"] if reward_config is not None else 0
     p["reward_model"] = 0 if ref_offload else reward_n * b // (W if zero_stage == 3 else 1)
-    vllm_share = int(gpu_memory_utilization * device_gb * GB) if use_vllm else 0
+    # vllm_bytes: what the engine holds when it is not a share of a GPU (CPU: fit.py says)
+    vllm_share = int(gpu_memory_utilization * device_gb * GB) if vllm_bytes is None else vllm_bytes
+    vllm_share = vllm_share if use_vllm else 0
     # working sets
     largest = max(s["layer_params"], s["embed_params"])
     p["zero3_live"] = int(min(N, max(zero3_live_params, largest)) * b) if zero_stage == 3 else 0

@@ -906,8 +906,11 @@ def main(argv=None):
     bar = tqdm(
         range(start_step, args.max_steps), disable=rank != 0 or not sys.stderr.isatty(), desc="ppo"
     )
-    # peak memory per phase: CUDA allocated (less a sleeping vLLM's pool), or RSS on CPU
-    ledger = MemoryLedger(device, OOM_HINTS, vllm.sleeping_bytes if vllm is not None else None)
+    # peak memory per phase: CUDA allocated (less a sleeping vLLM's pool), or RSS on CPU; the
+    # phase running now in a file for run.sh, which names it when the kernel kills this rank
+    phase_file = os.path.join(args.run_dir, f"memory_phase.rank{rank}")
+    sleeping = vllm.sleeping_bytes if vllm is not None else None
+    ledger = MemoryLedger(device, OOM_HINTS, sleeping, phase_file)
     # skipped non-finite steps: counted, and a stop after a few in a row
     guard = StepGuard(args.max_bad_steps)
     adapter = KnobAdapter(args, "ppo")  # --memory_budget_gb: update-neutral knobs between steps

@@ -34,8 +34,10 @@
 # SIGTERM or Ctrl-C after finishing a step and saving its checkpoint (continue with --resume True);
 # once torchrun runs, it exits 1 when a rank fails and its summary shows the rank's code: 2 bad input
 # (e.g. a reward function that raised), 3 training diverged (non-finite steps in a row), 4 out of
-# memory (the message names the phase and the knob). 6: the vLLM server (VLLM_DEVICES) did not answer
-# or died; the message names its address and log file.
+# memory (the message names the phase and the knob); run.sh itself exits 4 when the kernel killed a
+# rank (SIGKILL, torchrun's "Signal 9") inside a phase, with one message naming the phase and the
+# knob. 6: the vLLM server (VLLM_DEVICES) did not answer or died; the message names its address and
+# log file.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -89,11 +91,11 @@ fi
 # and exit code 2, before torchrun starts any rank. PREFLIGHT=0 skips the check.
 for a in "$@"; do
   if [[ $a == -h || $a == --help || $a == --estimate_memory ]]; then
-    WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) exec python "$ALGO.py" "${args[@]}" "$@"
+    LOCAL_WORLD_SIZE=$NPROC WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) exec python "$ALGO.py" "${args[@]}" "$@"
   fi
 done
 if [[ ${PREFLIGHT:-1} != 0 ]]; then
-  WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) python "$ALGO.py" "${args[@]}" "$@" --preflight True || exit $?
+  LOCAL_WORLD_SIZE=$NPROC WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) python "$ALGO.py" "${args[@]}" "$@" --preflight True || exit $?
 fi
 
 # Server mode: one vLLM server in a session of its own, started after the pre-flight (which builds the
@@ -141,6 +143,7 @@ fi
 # (checkpoint.StopOnSignal), and torchrun ends with its own exit 1. This script then exits 5 when that
 # checkpoint was written, so a job script can requeue the run with --resume True.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
+rm -f "$run_dir"/memory_phase.rank*   # each rank's phase now (memory.MemoryLedger); read at the end
 set -x   # torchrun in a session of its own: a signal reaches it once, from the traps below
 setsid python -m torch.distributed.run --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
   --nproc_per_node "$NPROC" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \
@@ -158,6 +161,17 @@ if [[ -n $signal && -f $latest && $(stat -c %Y "$latest") -ge $signal_at ]]; the
        "RUN_DIR=$run_dir bash run.sh $ALGO ... --resume True" >&2
   exit 5
 fi
+# A rank the kernel killed (SIGKILL, torchrun: "Signal 9") could say nothing: its ledger's file still
+# names the phase it was in (a rank that failed in Python closed its phase on the way out). On CPU
+# that is the out-of-memory killer: one message with the phase and the knob, and exit 4.
+for f in "$run_dir"/memory_phase.rank*; do
+  [[ $rc != 0 && -s $f ]] || continue
+  IFS=$'\t' read -r phase hint < "$f"
+  echo "run.sh: rank ${f##*.rank} was killed (SIGKILL, torchrun's \"Signal 9\") in phase '$phase'" \
+       "with no message of its own: most likely out of memory (the kernel's OOM killer); $hint." \
+       "\`bash run.sh $ALGO ... --estimate_memory True\` predicts each phase's peak" >&2
+  rc=4
+done
 if [[ -n $server && $rc != 0 ]] && ! kill -0 "$server" 2>/dev/null; then
   echo "run.sh: the vLLM server at $url died during the run; its log: $server_log" >&2
   exit 6

@@ -794,6 +794,43 @@ def test_reward_failing_mid_run_on_one_rank(tmp_path):
     ), out
 
 
+KILLER = """
+import os, signal
+
+def killed_in_rollout_on_rank1(prompts, completions, answers):
+    # what the kernel's out-of-memory killer does: SIGKILL, no Python left to say where
+    phase = os.path.join(os.environ["RUN_DIR"], "memory_phase.rank1")
+    if os.environ.get("RANK") == "1" and os.path.isfile(phase):
+        if open(phase).read().startswith("rollout"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return [0.0] * len(completions)
+"""
+
+
+def test_rank_killed_by_the_kernel_is_named_with_its_phase(tmp_path):
+    """A rank SIGKILLed inside a phase (rank 1, in 'rollout', where rewards are scored) leaves the
+    ledger's phase file behind: run.sh says out of memory, the phase and its knob, and exits 4."""
+    (tmp_path / "killer.py").write_text(KILLER)
+    proc = run_sh(
+        "grpo",
+        "--reward_funcs",
+        "killer:killed_in_rollout_on_rank1",
+        "--num_eval_prompts",
+        "0",
+        "--max_steps",
+        "2",
+        env={"RUN_DIR": str(tmp_path / "run"), "PYTHONPATH": str(tmp_path)},
+        wait=False,
+    )
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_OOM, out
+    assert "Signal 9" in out, out  # torchrun's own summary stays
+    line = next(x for x in out.splitlines() if x.startswith("run.sh: rank"))
+    assert line.startswith("run.sh: rank 1 was killed (SIGKILL") and "phase 'rollout'" in line
+    assert "out of memory" in line and grpo.OOM_HINTS["rollout"] in line, line
+    assert out.count("run.sh: rank") == 1, out  # rank 0 stopped in Python: not named
+
+
 def test_non_finite_steps_are_skipped_on_every_rank_and_a_streak_stops(tiny_model):
     """Real DeepSpeed ZeRO-2 and ZeRO-3 (AdamW from configs/zero3.json) on 2 ranks: see
     dist_nan_guard.py."""

@@ -4,6 +4,7 @@ peaks are this rank's). The 2-rank runs are tests/test_fit_e2e.py."""
 
 import pytest
 
+import fit
 import grpo
 import ppo
 from checks import RunError
@@ -27,8 +28,8 @@ def fitted(argv, loop="grpo"):
 
 
 def test_off_by_default_and_a_budget_above_changes_nothing():
-    args, phases, lines = fitted(QWEN)
-    assert phases is None and lines == []  # no budget: no pre-flight fit
+    args, phases, lines = fitted([])  # no budget, and the machine has room: no pre-flight fit
+    assert phases is None and lines == [] and args.memory_budget_gb == 0
     need = need_gb(grpo.parse_args(QWEN))
     # a budget just above what the knobs as given need (+ 1 GB for the runtime RSS on CPU)
     args, phases, lines = fitted(QWEN + ["--memory_budget_gb", str((need + 1) / HIGH_WATER)])
@@ -76,6 +77,38 @@ def test_nothing_fits_exits_2_with_the_closest_config_and_its_shortfall():
     assert e.value.exit_code == 2
     assert "nothing fits. Closest: ref_offload False -> True" in msg
     assert "GB over 90% of the budget" in msg and "configs/zero3_offload.json" in msg
+
+
+def share_of(gb, monkeypatch):
+    """LOCAL_WORLD_SIZE such that fit.machine_share() (MemAvailable / ranks + this process's RSS)
+    is about `gb`: the machine's memory split over that many ranks."""
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    ranks = max(1, int(avail / (gb * GB - fit._runtime_bytes())))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    return fit.machine_share() / GB
+
+
+def test_no_budget_the_machine_s_memory_per_rank_is_fitted(monkeypatch):
+    """CPU: the estimate over MemAvailable / ranks fits the knobs under it, as a budget would."""
+    argv = ["--model", "qwen2.5-0.5b", "--max_completion_length", "1024", "--prompts_per_rank", "4"]
+    need = need_gb(grpo.parse_args(argv)) + fit._runtime_bytes() / GB
+    share = share_of(0.7 * need, monkeypatch)
+    args, phases, lines = fitted(argv)
+    assert lines[0].startswith(f"memory: the estimate's highest phase needs {need:.2f} GB per rank")
+    assert f"--memory_budget_gb {share:.2f} does" in lines[0], lines
+    assert args.memory_budget_gb == pytest.approx(share, abs=0.01)
+    assert max(phases.values()) <= HIGH_WATER * args.memory_budget_gb * GB
+    assert args.micro < 32  # the micro-batch came down
+
+
+def test_no_budget_and_nothing_fits_the_machine_exits_2(monkeypatch):
+    share_of(1.0, monkeypatch)  # 1 GB per rank: below a 7B model's shards on one rank
+    with pytest.raises(RunError) as e:
+        fitted(["--model", "qwen2.5-7b"])
+    msg = str(e.value)
+    assert e.value.exit_code == 2 and "available to each rank (MemAvailable / ranks" in msg
+    assert "nothing fits" in msg and "configs/zero3_offload.json" in msg
 
 
 def test_ppo_fits_with_its_own_knob_names():

@@ -392,3 +392,15 @@ def test_recipe_sets_its_defaults_and_the_command_line_wins():
     assert args.micro == 4 and args.batch_size == 4 * args.num_generations
     with pytest.raises(grpo.RunError, match="--recipe nope: choose one of pretrained"):
         grpo.parse_args(["--recipe", "nope"])
+
+
+def test_smollm2_recipe_calls_its_model_and_data_only_when_not_given(tmp_path):
+    """--model and --data given: the recipe's functions (a download, a file written) never run."""
+    import grpo
+
+    args = grpo.parse_args(["--recipe", "smollm2-gsm8k", "--model", "m", "--data", "d.jsonl"])
+    assert (args.model, args.data) == ("m", "d.jsonl")
+    assert args.use_vllm and args.reward_funcs == "rewards:math_reward" and args.micro == 2
+    assert (
+        "--model smollm2.model_dir()" in grpo.Args.__dataclass_fields__["recipe"].metadata["help"]
+    )

