@@ -1130,7 +1130,7 @@ def main(argv=None):
         torch.manual_seed(args.seed * 7919 + step * world + rank)
 
         # 3. rollout: whole groups on this rank, scored; advantages on whole groups -------------
-        first, batch, dynamic = rollout(engine, vllm, tokenizer, train_rows, step, args, ledger)
+        first, batch, extra = rollout(engine, vllm, tokenizer, train_rows, step, args, ledger)
         t_rollout = time.time() - t0
 
         # 4. old and reference log-probs, no grad, micro-batch by micro-batch ----------------
@@ -1145,14 +1145,14 @@ def main(argv=None):
             with ledger.phase("ref_logprobs"), adapters_off:
                 batch["ref_logps"] = batch_logps(reference, batch, plan, args, device)
         if args.vllm_importance_cap > 0:  # vLLM sampled these tokens; the trainer scores them
-            batch["is_weights"], dynamic["vllm_is_ratio"] = vllm_importance_weights(batch, args)
+            batch["is_weights"], extra["vllm_is_ratio"] = vllm_importance_weights(batch, args)
         if vllm is not None:  # vLLM sampled these tokens: does it hold the trainer's weights?
             trainer_logps = batch["old_logps"]
             if trainer_logps is None:
                 with ledger.phase("old_logprobs"):
                     trainer_logps = batch_logps(engine.module, batch, plan, args, device)
             sampled = Generations(None, batch["completion_mask"], batch["sampler_logps"])
-            dynamic.update(sampler_logp_gap(trainer_logps, sampled))
+            extra.update(sampler_logp_gap(trainer_logps, sampled))
 
         # 5. update: keep mask, micro-batches, whole-batch normaliser, optimizer steps ---------
         t1 = time.time()
@@ -1167,7 +1167,7 @@ def main(argv=None):
         dt, mem_line = time.time() - t0, ledger.line()
         # a collective; before step_metrics. No update: no evidence of spare memory
         knob_changes = adapter.after_step(ledger.step, step + 1, updated=totals["updated"] > 0)
-        row.update(dynamic)
+        row.update(extra)  # dynamic sampling's counts, vLLM's ratio
         row.update(
             tokens_per_s=row.pop("completion_tokens") / dt,
             step_s=dt,

@@ -96,7 +96,7 @@ def reference(loss_type, kept):
     return loss.detach(), norm, {n: p.grad.clone() for n, p in ref_model.named_parameters()}
 
 
-def check(label, stage, args, keep, want_loss, want_norm, want):
+def check(label, stage, args, keep, want_loss, want_norm, want, atol=1e-7):
     """grpo.update on 2 ranks (rows 4 * rank ... + 3 each) against the reference."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -136,7 +136,7 @@ def check(label, stage, args, keep, want_loss, want_norm, want):
     with gathered(engine.module):
         for n, p in engine.module.named_parameters():
             got = before[n] - p.detach()  # SGD(lr=1): the applied gradient
-            if not torch.allclose(got, want[n], rtol=1e-4, atol=1e-7):
+            if not torch.allclose(got, want[n], rtol=1e-4, atol=atol):
                 failures.append(
                     f"{label} {n}: max err {(got - want[n]).abs().max():.3g} (grad max "
                     f"{want[n].abs().max():.3g})"
@@ -182,7 +182,11 @@ for loss_type in LOSS_TYPES:
             want = {n: torch.zeros_like(p) for n, p in ref_model.named_parameters()}
         for micro, budget in ((1, 0), (4, 22)):
             args = grpo_args(loss_type, micro, budget, False)
-            check(f"{name} micro={micro} budget={budget}", 3, args, keep, loss, norm, want)
+            # atol 1e-6: the kept rows' embedding gradients add up in another order than in the
+            # reference (3e-7 measured against a largest entry of 0.5); a wrong keep mask or
+            # normaliser is off by the size of the gradient itself
+            label = f"{name} micro={micro} budget={budget}"
+            check(label, 3, args, keep, loss, norm, want, atol=1e-6)
 
 
 def synthetic(group_rewards):

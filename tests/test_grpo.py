@@ -334,6 +334,7 @@ def test_bad_input_fails_with_a_message_that_says_what_to_change():
         (["--reward_weights", "1,2,3"], "3 values for 2 reward functions"),
         (["--reward_funcs", "nosuchmodule:f"], "module:function"),
         (["--vllm_importance_cap", "2"], "needs --use_vllm"),
+        (["--importance_sampling_level", "group"], "token"),
     ):
         with pytest.raises(RunError, match=msg):
             parse_args(argv)
