@@ -1,7 +1,9 @@
-"""ppo.py's pure functions against naive loops and hand-computed cases; whitening across 2 ranks."""
+"""ppo.py's pure functions against naive loops and hand-computed cases; whitening across 2 ranks;
+the recipes (run.sh's MODEL takes `pretrained`) and the memory estimate."""
 
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -249,3 +251,31 @@ def test_estimate_memory_counts_a_colocated_vllm_engine(monkeypatch):
     assert with_vllm["phases"]["rollout"] > engine
     for phase in ("logprobs", "update"):
         assert with_vllm["phases"][phase] == bare["phases"][phase] + engine, phase
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_run_sh_with_model_takes_the_loops_pretrained_recipe(algo):
+    """MODEL=X bash run.sh ALGO is `ALGO.py --model X --recipe pretrained`: the same estimate (a
+    preset's shape, one process, no torchrun), and not the tiny task's defaults' estimate."""
+    import subprocess
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "DATA", "NPROC", "NNODES")}
+    env.update(DEVICE="cpu", NPROC="2")
+
+    def estimate(cmd, **extra):
+        done = subprocess.run(
+            cmd, cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout[done.stdout.index("phase ") :]  # the table, not install.sh's or logs
+
+    flags = ["--model", "qwen2.5-0.5b", "--estimate_memory", "True"]
+    via_run_sh = estimate(["bash", "run.sh", algo] + flags[2:], MODEL="qwen2.5-0.5b")
+    direct, world = (
+        [sys.executable, f"{algo}.py", *flags],
+        {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+    )
+    assert via_run_sh == estimate(direct + ["--recipe", "pretrained"], **world)
+    assert via_run_sh != estimate(direct, **world)
