@@ -106,14 +106,11 @@ def estimate_kwargs(args, loop, world):
         fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False),
         loop=loop,
     )
+    kw.update(use_vllm=args.use_vllm, gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+    if args.use_vllm and args.vllm_mode == "colocate" and not cuda:
+        kw["vllm_bytes"] = vllm_cpu_bytes(config)
     if loop == "grpo":
-        kw.update(
-            use_vllm=args.use_vllm,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            reference_model=args.beta > 0,
-        )
-        if args.use_vllm and args.vllm_mode == "colocate" and not cuda:
-            kw["vllm_bytes"] = vllm_cpu_bytes(config)
+        kw.update(reference_model=args.beta > 0)
     else:  # the critic: the reward model's body when there is one, else the actor's
         rm = _config_for(args.reward_model, "--reward_model") if args.reward_model else None
         kw.update(

@@ -90,6 +90,7 @@ from checkpoint import (
 from checks import (
     RunError,
     StepGuard,
+    apply_recipe,
     arg,
     check_attn_implementation,
     check_ds_config,
@@ -100,6 +101,7 @@ from checks import (
     entry_code,
     exit_process,
     parse_args_quietly,
+    recipe_help,
     training_dtype,
 )
 from data import batch_rows
@@ -291,18 +293,7 @@ def grpo_loss(
 @dataclass
 class Args:
     model: str = arg("", "policy hub id or path; empty: tiny model from scratch")
-    recipe: str = arg(
-        "",
-        "a named set of defaults, flags on the command line win; "
-        + "; ".join(
-            f"{name}: "
-            + ", ".join(
-                f"--{k} {f'{v.__module__}.{v.__name__}()' if callable(v) else v}"
-                for k, v in values.items()
-            )
-            for name, values in RECIPES.items()
-        ),
-    )
+    recipe: str = arg("", recipe_help(RECIPES))
     data: str = arg(
         "",
         "a JSONL, JSON, CSV or parquet file, a directory saved by datasets, or a hub id (datasets."
@@ -478,13 +469,7 @@ class Args:
 def parse_args(argv=None):
     """Args, checked on their own (no file read yet); derived: funcs, weights, batch_size, micro."""
     args = parse_args_quietly(Args, argv)  # argparse's errors: exit 2; then each field's "range"
-    if args.recipe:
-        if args.recipe not in RECIPES:
-            raise RunError(f"--recipe {args.recipe}: choose one of {', '.join(RECIPES)}")
-        given = {a[2:].split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
-        for name, value in RECIPES[args.recipe].items():
-            if name not in given:  # a function: called only when its flag is not given
-                setattr(args, name, value() if callable(value) else value)
+    apply_recipe(args, RECIPES, argv)  # a flag given on the command line wins
     if args.loss_type not in LOSS_TYPES:
         raise RunError(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
     if args.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:

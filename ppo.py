@@ -66,6 +66,7 @@ from transformers import (
     AutoModelForSequenceClassification,
 )
 
+import smollm2
 from batching import (
     all_cat,
     all_sum,
@@ -92,6 +93,7 @@ from checkpoint import (
 from checks import (
     RunError,
     StepGuard,
+    apply_recipe,
     arg,
     check_attn_implementation,
     check_ds_config,
@@ -105,6 +107,7 @@ from checks import (
     exit_process,
     load_tokenizer,
     parse_args_quietly,
+    recipe_help,
     training_dtype,
 )
 from critic import build_critic, forward_values
@@ -124,6 +127,43 @@ from vllm_server import vllm_generator
 from zero3_load import load_model
 from zero3_utils import frozen_config, frozen_engine, gathered, load_ds_config, save_hf
 
+# --recipe NAME: a named set of defaults (--help lists them); a flag given on the command line wins
+# (checks.apply_recipe, as grpo.py's). Args' own defaults fit the from-scratch tiny task; run.sh
+# passes --recipe pretrained with MODEL. Sized for 2 CPU ranks of a 24 GB machine, ZeRO-3, with
+# `python ppo.py --recipe NAME --estimate_memory True`: actor, critic and reference side by side.
+RECIPES = {
+    "pretrained": {  # small LRs, longer answers, micro-batches that fit beside three models
+        "learning_rate": 1e-6,
+        "critic_learning_rate": 9e-6,
+        "max_completion_length": 256,
+        "prompts_per_rank": 4,
+        "micro_train_batch_size": 2,
+        "gradient_checkpointing": True,
+        "eval_steps": 100,
+    },
+    # SmolLM2-135M-Instruct on GSM8K word problems, as grpo.py's recipe of the same name (the same
+    # model and data functions, called only when --model / --data are not given; the same
+    # completions per rank), with PPO's two learning rates and micro-batches of 2 (the default 64
+    # was killed for memory in the first update).
+    "smollm2-gsm8k": {
+        "model": smollm2.model_dir,
+        "data": smollm2.gsm8k_train_file,
+        "reward_funcs": "rewards:math_reward",
+        "use_vllm": True,
+        "max_prompt_length": 320,
+        "max_completion_length": 256,
+        "prompts_per_rank": 4,
+        "num_generations": 8,
+        "micro_train_batch_size": 2,
+        "gradient_checkpointing": True,
+        "learning_rate": 1e-6,
+        "critic_learning_rate": 9e-6,
+        "temperature": 0.8,
+        "max_steps": 40,
+        "eval_steps": 10,
+        "num_eval_prompts": 200,
+    },
+}
 # phase -> the knobs that lower its peak, for the out-of-memory message (docs/troubleshooting.md,
 # "Out of memory")
 OOM_HINTS = {
@@ -248,6 +288,7 @@ def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
 @dataclass
 class Args:
     model: str = arg("", "actor hub id or path; empty: tiny model from scratch")
+    recipe: str = arg("", recipe_help(RECIPES))
     data: str = arg(
         "",
         "a JSONL, JSON, CSV or parquet file, a directory saved by datasets, or a hub id (datasets."
@@ -401,6 +442,7 @@ class Args:
 def parse_args(argv=None):
     """Args, checked on their own (no file read yet); derived: funcs, weights, batch_size, micro."""
     args = parse_args_quietly(Args, argv)  # argparse's errors: exit 2; then each field's "range"
+    apply_recipe(args, RECIPES, argv)  # a flag given on the command line wins
     if args.dtype not in ("auto", "bf16", "fp32"):
         raise RunError("--dtype: auto, bf16 or fp32")
     check_attn_implementation(args.attn_implementation, args.dtype)  # flash attention

@@ -74,10 +74,9 @@ args=(--ds_config "${DS_CONFIG:-configs/zero3.json}" --run_dir "$run_dir")
 prev=""; for a in "$@"; do [[ $prev == --run_dir ]] && run_dir=$a; prev=$a; done   # the last one wins
 [[ -n "${DATA:-}" ]] && args+=(--data "$DATA")
 if [[ -n "${MODEL:-}" ]]; then
-  # A pretrained model: grpo.py's `pretrained` recipe (python grpo.py --help lists its values), so
-  # MODEL=X bash run.sh is the run of `python grpo.py --model X --recipe pretrained`.
-  args+=(--model "$MODEL")
-  [[ $ALGO == grpo ]] && args+=(--recipe pretrained)
+  # A pretrained model: the loop's `pretrained` recipe (python $ALGO.py --help lists its values),
+  # so MODEL=X bash run.sh ppo is the run of `python ppo.py --model X --recipe pretrained`.
+  args+=(--model "$MODEL" --recipe pretrained)
 fi
 
 if [[ -n ${VLLM_DEVICES:-} ]]; then   # server mode's flags, known to the pre-flight too

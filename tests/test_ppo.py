@@ -1,7 +1,9 @@
-"""ppo.py's pure functions against naive loops and hand-computed cases; whitening across 2 ranks."""
+"""ppo.py's pure functions against naive loops and hand-computed cases; whitening across 2 ranks;
+the recipes (run.sh's MODEL takes `pretrained`) and the memory estimate."""
 
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -209,3 +211,71 @@ def test_estimate_memory_flag_counts_critic_and_reward_model(capsys, monkeypatch
     off = main(argv + ["--frozen_offload", "True"])
     assert off["pieces"]["reward_model"] == 0 and off["pieces"]["reference"] == 0
     assert off["cpu"] > est["cpu"]
+
+
+def test_recipes_set_their_defaults_and_the_command_line_wins(capsys):
+    """--recipe pretrained (what run.sh passes with MODEL) is RECIPES' values, through the same
+    checks.apply_recipe as grpo.py's; a flag given, in either form, wins; --help lists them."""
+    import ppo
+
+    plain = ppo.parse_args([])
+    args = ppo.parse_args(["--recipe", "pretrained", "--eval_steps=7", "--learning_rate", "2e-6"])
+    for name, value in ppo.RECIPES["pretrained"].items():
+        want = {"eval_steps": 7, "learning_rate": 2e-6}.get(name, value)
+        assert getattr(args, name) == want != getattr(plain, name)
+    assert args.critic_learning_rate == 9e-6 and args.micro_train_batch_size == 2
+    with pytest.raises(ppo.RunError, match="--recipe nope: choose one of pretrained, smollm2"):
+        ppo.parse_args(["--recipe", "nope"])
+    # --model and --data given: the recipe's functions (a download, a file written) never run
+    args = ppo.parse_args(["--recipe", "smollm2-gsm8k", "--model", "m", "--data", "d.jsonl"])
+    assert (args.model, args.data) == ("m", "d.jsonl")
+    assert args.use_vllm and args.reward_funcs == "rewards:math_reward" and args.max_steps == 40
+    with pytest.raises(SystemExit):
+        ppo.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "pretrained: --learning_rate 1e-06, --critic_learning_rate 9e-06" in out
+    assert "smollm2-gsm8k: --model smollm2.model_dir(), --data smollm2.gsm8k_train_file()" in out
+
+
+def test_estimate_memory_counts_a_colocated_vllm_engine(monkeypatch):
+    """--use_vllm True on CPU: the estimate holds the vLLM engine's resident set in every phase
+    (the pre-flight's fit and the machine check see it, as for grpo.py); the rollout is the
+    engine's instead of HF generation's."""
+    from ppo import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--estimate_memory", "True", "--max_prompt_length", "8"]
+    bare, with_vllm = main(argv), main(argv + ["--use_vllm", "True"])
+    engine = with_vllm["pieces"]["vllm"]
+    assert bare["pieces"]["vllm"] == 0 < engine
+    assert with_vllm["phases"]["rollout"] > engine
+    for phase in ("logprobs", "update"):
+        assert with_vllm["phases"][phase] == bare["phases"][phase] + engine, phase
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_run_sh_with_model_takes_the_loops_pretrained_recipe(algo):
+    """MODEL=X bash run.sh ALGO is `ALGO.py --model X --recipe pretrained`: the same estimate (a
+    preset's shape, one process, no torchrun), and not the tiny task's defaults' estimate."""
+    import subprocess
+
+    from conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "DATA", "NPROC", "NNODES")}
+    env.update(DEVICE="cpu", NPROC="2")
+
+    def estimate(cmd, **extra):
+        done = subprocess.run(
+            cmd, cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout[done.stdout.index("phase ") :]  # the table, not install.sh's or logs
+
+    flags = ["--model", "qwen2.5-0.5b", "--estimate_memory", "True"]
+    via_run_sh = estimate(["bash", "run.sh", algo] + flags[2:], MODEL="qwen2.5-0.5b")
+    direct, world = (
+        [sys.executable, f"{algo}.py", *flags],
+        {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+    )
+    assert via_run_sh == estimate(direct + ["--recipe", "pretrained"], **world)
+    assert via_run_sh != estimate(direct, **world)

