@@ -96,6 +96,8 @@ def test_one_grpo_step_zero3_vllm_on_two_ranks(model_dir, sums, tmp_path):
     (row,) = conftest.train_rows(run_dir)
     assert math.isfinite(row["loss"]) and row["completion_len"] > 0, row
     assert any(k.startswith("mem/") for k in row), row
+    # tied embeddings, 30 layers: vLLM samples from the weights the trainer holds
+    conftest.assert_vllm_holds_trainer_weights([row])
     assert not os.path.exists(run_dir / "final")
 
 
@@ -119,6 +121,8 @@ def test_two_ppo_steps_zero3_vllm_on_two_ranks(model_dir, sums, tmp_path):
         "24",
         "--micro_train_batch_size",
         "4",
+        "--ppo_epochs",
+        "1",
         "--num_eval_prompts",
         "4",
         "--eval_steps",
@@ -139,4 +143,5 @@ def test_two_ppo_steps_zero3_vllm_on_two_ranks(model_dir, sums, tmp_path):
         assert math.isfinite(row["policy_loss"]) and math.isfinite(row["value_loss"]), row
         assert row["completion_len"] > 0 and row["skipped_steps"] == 0, row
         assert any(k.startswith("mem/") for k in row), row
+    conftest.assert_vllm_holds_trainer_weights(rows)  # step 2: after the first update's sync
     assert not os.path.exists(run_dir / "final")
