@@ -106,8 +106,10 @@ def estimate_kwargs(args, loop, world):
         fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False),
         loop=loop,
     )
-    kw.update(use_vllm=args.use_vllm, gpu_memory_utilization=args.vllm_gpu_memory_utilization)
-    if args.use_vllm and args.vllm_mode == "colocate" and not cuda:
+    # a vLLM server (--vllm_mode server) runs on devices of its own: nothing on the trainer's
+    colocated = args.use_vllm and args.vllm_mode == "colocate"
+    kw.update(use_vllm=colocated, gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+    if colocated and not cuda:
         kw["vllm_bytes"] = vllm_cpu_bytes(config)
     if loop == "grpo":
         kw.update(reference_model=args.beta > 0)

@@ -1,6 +1,7 @@
 """ppo.py's pure functions against naive loops and hand-computed cases; whitening across 2 ranks;
 the recipes (run.sh's MODEL takes `pretrained`) and the memory estimate."""
 
+import importlib
 import math
 import os
 import sys
@@ -251,6 +252,18 @@ def test_estimate_memory_counts_a_colocated_vllm_engine(monkeypatch):
     assert with_vllm["phases"]["rollout"] > engine
     for phase in ("logprobs", "update"):
         assert with_vllm["phases"][phase] == bare["phases"][phase] + engine, phase
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_estimate_memory_leaves_out_a_vllm_server(algo, monkeypatch):
+    """--vllm_mode server: vLLM runs on devices of its own, so the trainer's ranks hold none of it
+    (the machine check once counted a GPU share for it and refused every CPU server run)."""
+    main = importlib.import_module(algo).main
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--estimate_memory", "True", "--max_prompt_length", "8"]
+    bare = main(argv)
+    server = main(argv + ["--use_vllm", "True", "--vllm_mode", "server"])
+    assert server["pieces"]["vllm"] == 0 and server["phases"] == bare["phases"]
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
