@@ -263,6 +263,21 @@ def _vllm_sleep_supported():
     return current_platform.is_sleep_mode_available()
 
 
+def cpu_scheduler_kwargs(max_model_len, tensor_parallel_size=1):
+    """vLLM's scheduler settings on CPU: no chunked prefill. Every request here carries a seed,
+    and a seeded request whose prompt is prefilled in chunks makes vLLM rewind its generator
+    after each partial chunk, which a CPU generator cannot (vLLM 0.32: "CPU Generator does not
+    use offset", the engine dies): seen with 100 GSM8K prompts per call. Whole prompts only, as
+    vLLM itself sets for MLA models on CPU; the token budget must then hold the longest one.
+    On GPU nothing changes (CUDA generators rewind)."""
+    if torch.cuda.is_available() or not max_model_len:
+        return {}
+    return dict(
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=max(4096 * tensor_parallel_size, max_model_len),
+    )
+
+
 class VLLMGenerator:
     """One vLLM engine per rank (or per tensor-parallel group of ranks), colocated with training."""
 
@@ -299,6 +314,7 @@ class VLLMGenerator:
                     self.tp_group = group
         self.sleep_supported = _vllm_sleep_supported()
         allocated = torch.cuda.memory_allocated() if self.sleep_supported else 0
+        llm_kwargs = {**cpu_scheduler_kwargs(max_model_len, self.tp), **llm_kwargs}
         self.llm = LLM(
             model=model_path,
             tensor_parallel_size=self.tp,

@@ -145,18 +145,19 @@ RECIPES = {
     "smollm2-gsm8k": {
         "model": smollm2.model_dir,
         "data": smollm2.gsm8k_train_file,
-        "reward_funcs": "rewards:math_reward",
+        "reward_funcs": "rewards:math_reward,rewards:answer_line_reward",
+        "reward_weights": "1,0.2",
         "use_vllm": True,
         "max_prompt_length": 320,
-        "max_completion_length": 256,
+        "max_completion_length": 192,
         "prompts_per_rank": 4,
         "num_generations": 8,
         "per_device_train_batch_size": 2,
         "gradient_checkpointing": True,
-        "learning_rate": 1e-5,
+        "learning_rate": 2e-5,
         "temperature": 0.8,
-        "max_steps": 40,
-        "eval_steps": 10,
+        "max_steps": 10,
+        "eval_steps": 5,
         "num_eval_prompts": 200,
     },
 }
@@ -802,29 +803,43 @@ def update(engine, batch, args, device, ledger=None):
        (train_on_batch);
     5. the last iteration's metrics summed over ranks with the same keys on every rank
        (UPDATE_METRICS), plus "skipped" (optimizer steps DeepSpeed refused as non-finite, 0 to
-       num_iterations), "updated" (1.0 or 0.0) and "rows" (the kept rows of all ranks).
+       num_iterations), "updated" (1.0 or 0.0) and "rows" (the kept rows of all ranks);
+    6. when vLLM sampled the batch (batch["sampler_logps"]), how far its log-probs are from the
+       first iteration's, on the kept rows (generation.sampler_logp_gap): the update's own
+       forward gives the trainer's side, so checking that vLLM holds the trainer's weights costs
+       no pass of its own.
     """
     plan = micro_plan(batch, args)
     normalizer = batch_normalizer(batch, plan, args)
     sums, skipped = dict.fromkeys(UPDATE_METRICS, 0.0), 0
+    sampled = batch.get("sampler_logps")  # (B, C) or None
+    trainer = None if sampled is None else torch.zeros_like(sampled)  # (B, C) filled below
     if normalizer > 0:  # alike on every rank: a sum over ranks
-        for _ in range(args.num_iterations):
-            sums = train_on_batch(engine, batch, plan, args, normalizer, device, ledger)
+        for i in range(args.num_iterations):
+            sums = train_on_batch(
+                engine, batch, plan, args, normalizer, device, ledger, trainer if i == 0 else None
+            )
             skipped += not engine.was_step_applied()  # alike on every rank
-    rows = float(keep_mask(batch, args).sum())
-    totals = all_sum([sums[k] for k in UPDATE_METRICS] + [rows])
+    keep = keep_mask(batch, args)  # (B,)
+    totals = all_sum([sums[k] for k in UPDATE_METRICS] + [float(keep.sum())])
+    gap = {}
+    if trainer is not None and normalizer > 0:  # alike on every rank: a collective
+        mask = batch["completion_mask"] * keep[:, None]  # (B, C) the tokens forwarded
+        gap = sampler_logp_gap(trainer, Generations(None, mask, sampled))
     return {
         **dict(zip(UPDATE_METRICS, totals)),
         "rows": totals[-1],
         "skipped": float(skipped),
         "updated": float(normalizer > 0),
+        **gap,
     }
 
 
-def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
+def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None, logps_out=None):
     """Forward/backward every micro-batch of `plan`, then ONE optimizer step; returns this rank's
     summed metrics (every key of UPDATE_METRICS, 0 where it had no real micro-batch). With a
-    MemoryLedger, the two are its "update" and "optimizer_step" phases.
+    MemoryLedger, the two are its "update" and "optimizer_step" phases. logps_out (B, C): filled
+    with the forwards' log-probs (detached) where the plan has real rows.
 
     `normalizer` is the whole batch's (all micro-batches, all ranks: batch_normalizer). DeepSpeed
     divides each loss by gradient_accumulation_steps (scale_wrt_gas) and averages gradients over
@@ -834,7 +849,7 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
     world, sums = engine.dp_world_size, dict.fromkeys(UPDATE_METRICS, 0.0)
     phase = ledger.phase if ledger else lambda name: nullcontext()
     with phase("update"):
-        for i, (_, mb, weight) in enumerate(micro_batches(batch, plan)):
+        for i, (idx, mb, weight) in enumerate(micro_batches(batch, plan)):
             # we decide where the step is
             engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
             # through engine.forward, not engine.module: ZeRO-3 counts micro-steps there, and
@@ -866,6 +881,8 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None):
             # weight 0: a padding repeat
             engine.backward(loss * weight * world, scale_wrt_gas=False)
             if weight:
+                if logps_out is not None:
+                    logps_out[idx, : mb["logits_to_keep"]] = logps.detach().float().cpu()
                 metrics["entropy"] = (entropy.detach() * mask).sum()
                 metrics["loss"] = loss.detach()
                 for k, v in metrics.items():
@@ -1009,6 +1026,7 @@ def step_row(step, first, totals, engine, args):
         row["loss"] = totals["loss"]
         grad_norm = engine.get_global_grad_norm()  # a float or a 0-d tensor, by stage and offload
         row["grad_norm"] = None if grad_norm is None else float(grad_norm)
+        row.update({k: v for k, v in totals.items() if k.startswith("sampling/")})  # vLLM's gap
     return row
 
 
@@ -1131,13 +1149,6 @@ def main(argv=None):
                 batch["ref_logps"] = batch_logps(reference, batch, plan, args, device)
         if args.vllm_importance_cap > 0:  # vLLM sampled these tokens; the trainer scores them
             batch["is_weights"], extra["vllm_is_ratio"] = vllm_importance_weights(batch, args)
-        if vllm is not None:  # vLLM sampled these tokens: does it hold the trainer's weights?
-            trainer_logps = batch["old_logps"]
-            if trainer_logps is None:
-                with ledger.phase("old_logprobs"):
-                    trainer_logps = batch_logps(engine.module, batch, plan, args, device)
-            sampled = Generations(None, batch["completion_mask"], batch["sampler_logps"])
-            extra.update(sampler_logp_gap(trainer_logps, sampled))
 
         # 5. update: keep mask, micro-batches, whole-batch normaliser, optimizer steps ---------
         t1 = time.time()

@@ -130,6 +130,19 @@ def math_reward(prompts, completions, answers):
     ]
 
 
+_ANSWER_LINE = re.compile(r"(?s).*\n?####[ \t]*(\S+)\s*")
+
+
+def answer_line_reward(prompts, completions, answers):
+    """1 when the completion ends with its answer line, "#### <a number>", and nothing after it
+    (GSM8K's format), else 0: format and stopping, whatever the number's value."""
+    out = []
+    for c in completions:
+        m = _ANSWER_LINE.fullmatch(c)
+        out.append(1.0 if m and _NUMBER.fullmatch(m[1].replace("$", "")) else 0.0)
+    return out
+
+
 _THINK = re.compile(r"\s*<think>((?:(?!<think>|</think>).)*)</think>\s*(\S.*)", re.DOTALL)
 
 

@@ -21,6 +21,7 @@ with SYSTEM_PROMPT, answers as the final number. Imports no sibling file.
 """
 
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -46,8 +47,8 @@ EXPECTED = {  # the published architecture; a different file in the wheel fails 
 NUM_TENSORS = 272  # in the GGUF file (lm_head is tied to the embeddings, not stored)
 GSM8K = os.environ.get("GSM8K_DIR", os.path.join(ROOT, "..", "shared", "assets", "gsm8k"))
 SYSTEM_PROMPT = (
-    "You solve grade-school math word problems. Reason in a few short steps, then write the "
-    "final answer as a number on the last line, like this: #### 42"
+    "You solve grade-school math word problems. Reason in a few short steps. Then write one "
+    "last line: #### followed by the final answer as a number, and stop."
 )
 
 
@@ -126,7 +127,9 @@ def gsm8k_file(split="train", max_calculations=0, cache=CACHE):
     ../shared/assets/gsm8k (or GSM8K_DIR), else from the hub (openai/gsm8k). max_calculations > 0:
     only the problems whose worked solution has at most that many calculator steps (<<...>>)."""
     short = f"-le{max_calculations}" if max_calculations else ""
-    out = os.path.join(cache, f"gsm8k-{split}{short}.jsonl")
+    # the prompt's hash in the name: a file written with an earlier system prompt is not reused
+    tag = hashlib.sha256(SYSTEM_PROMPT.encode()).hexdigest()[:8]
+    out = os.path.join(cache, f"gsm8k-{split}{short}-{tag}.jsonl")
     if os.path.isfile(out):
         return out
     src = os.path.join(GSM8K, f"{split}.jsonl")

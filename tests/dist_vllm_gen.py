@@ -3,7 +3,7 @@ Run by tests/test_generation.py; argv: model_dir out_dir. Rank 0 prints "OK <nam
 
 The engine is started from a save_hf checkpoint of a ZeRO-3 engine (so vLLM loading it is checked
 too); then vllm_batch_size batching, HF == vLLM greedy, sampler logprobs, weight sync after a
-training step, sleep/wake.
+training step, seeded sampling of more prompt tokens than one scheduler step, sleep/wake.
 """
 
 import os
@@ -126,6 +126,14 @@ def main(model_dir, out_dir):
         f"vLLM after sync != HF after step\n{synced.completion_ids}\n{hf_after.completion_ids}"
     )
     ok("weight sync: vLLM == updated HF, != before")
+
+    # more prompt tokens in one call (40 x 120) than one scheduler step takes (4096): seeded
+    # requests whose prompts vLLM prefilled in chunks killed the CPU engine; whole prompts only
+    # (generation.cpu_scheduler_kwargs)
+    long = [(p * 120)[:120] for p in prompts] * 4
+    drawn = gen.generate(long, max_new_tokens=4, temperature=1.0)
+    assert drawn.completion_ids.shape[0] == len(long)
+    ok("seeded sampling over more prompt tokens than one scheduler step")
 
     gen.sleep()  # GPU: level 2 (weights dropped); CPU: the same state, nothing freed
     assert gen.sleeping_bytes() == 0  # CPU: nothing freed, so the memory ledger subtracts 0

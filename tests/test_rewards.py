@@ -1,9 +1,10 @@
 """rewards.py against hand-written completions: answer extraction, numeric and string matching,
-the <think> format, the length penalty, and loading them as module:function."""
+the <think> format, GSM8K's answer line, the length penalty, and loading them as module:function."""
 
 import pytest
 
 from rewards import (
+    answer_line_reward,
     answers_match,
     extract_answer,
     extract_boxed,
@@ -150,6 +151,20 @@ def test_think_format_reward():
     # a chat template that opens it (the reward sees the dataset's prompt, not the template's)
     continued = ["reasoning</think>42", "<think>a</think>42", "reasoning</think>", "42"]
     assert think_continued_format_reward(["q"] * 4, continued, [""] * 4) == [1, 0, 0, 0]
+
+
+def test_answer_line_reward():
+    completions = [
+        "3 + 4 = 7\n#### 7",
+        "#### 4,200\n",
+        "so\n####  $18  \n",
+        "#### -2.5",
+        "It is 7 #### 7 and more",  # text after the answer line
+        "#### 7\nThe answer is: 7",  # rambles on
+        "#### seven",
+        "7",
+    ]
+    assert answer_line_reward(None, completions, ["7"] * 8) == [1, 1, 1, 1, 0, 0, 0, 0]
 
 
 def test_length_penalty():

@@ -1,0 +1,76 @@
+"""GSM8K accuracy of a model, greedy, in the smollm2-gsm8k recipe's prompt format: one process,
+vLLM on CPU (generation.VLLMGenerator), the recipe's prompt and completion lengths, stop ids and
+rewards. For the before/after figures of docs/real-model.md:
+
+    python bench/gsm8k_eval.py                                   # the converted model
+    python bench/gsm8k_eval.py --model runs/<grpo run>/final     # after training
+
+Prints accuracy (rewards.math_reward), the share ending with the answer line
+(rewards.answer_line_reward), mean completion tokens and the share cut at the length limit;
+writes every completion to <out>.jsonl to read what the model does.
+"""
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo root
+
+from transformers import AutoTokenizer, HfArgumentParser  # noqa: E402
+
+import grpo  # noqa: E402
+import rewards  # noqa: E402
+import smollm2  # noqa: E402
+from batching import encode_prompts, stop_token_ids  # noqa: E402
+from data import load_rows  # noqa: E402
+from generation import VLLMGenerator  # noqa: E402
+
+
+@dataclass
+class Args:
+    model: str = field(default="", metadata={"help": "model directory; empty: smollm2.model_dir()"})
+    split: str = field(default="test", metadata={"help": "GSM8K split (test: 1,319 problems)"})
+    num_problems: int = field(default=500, metadata={"help": "the split's first N problems"})
+    out: str = field(default="runs/gsm8k-eval", metadata={"help": "completions: <out>.jsonl"})
+
+
+def main():
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses()
+    recipe = grpo.parse_args(["--recipe", "smollm2-gsm8k", "--model", "unused"])
+    model = args.model or smollm2.model_dir()
+    rows = load_rows(smollm2.gsm8k_file(args.split))[: args.num_problems]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompt_ids = encode_prompts(tokenizer, rows, recipe.max_prompt_length)
+    max_len = recipe.max_prompt_length + recipe.max_completion_length
+    gen = VLLMGenerator(model, max_model_len=max_len, dtype="float32", enforce_eager=True)
+    t0 = time.time()
+    out = gen.generate(
+        prompt_ids,
+        max_new_tokens=recipe.max_completion_length,
+        greedy=True,
+        stop_token_ids=stop_token_ids(tokenizer, model),
+    )
+    seconds = time.time() - t0
+    texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    answers = [r["answer"] for r in rows]
+    correct = rewards.math_reward(None, texts, answers)
+    line = rewards.answer_line_reward(None, texts, answers)
+    lengths = out.completion_mask.sum(1).tolist()  # (N,) tokens up to and with the stop
+    cut = [n >= recipe.max_completion_length for n in lengths]
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(f"{args.out}.jsonl", "w") as f:
+        for r, t, c in zip(rows, texts, correct):
+            f.write(json.dumps({"answer": r["answer"], "correct": c, "completion": t}) + "\n")
+    n = len(rows)
+    print(
+        f"{model} GSM8K {args.split}[:{n}] greedy: accuracy {sum(correct) / n:.3f} "
+        f"({int(sum(correct))}/{n}), answer line {sum(line) / n:.3f}, "
+        f"mean tokens {sum(lengths) / n:.0f}, cut at {recipe.max_completion_length} "
+        f"{sum(cut) / n:.3f}, {seconds:.0f} s; completions in {args.out}.jsonl"
+    )
+
+
+if __name__ == "__main__":
+    main()
