@@ -38,6 +38,11 @@ class Args:
 
 def main():
     (args,) = HfArgumentParser(Args).parse_args_into_dataclasses()
+    # VLLMGenerator's engine is an external_launcher one: a world of one process, as torchrun sets
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
     recipe = grpo.parse_args(["--recipe", "smollm2-gsm8k", "--model", "unused"])
     model = args.model or smollm2.model_dir()
     rows = load_rows(smollm2.gsm8k_file(args.split))[: args.num_problems]
