@@ -63,6 +63,7 @@ RESUME_MAY_CHANGE = (
     "estimate_memory",
     "preflight",
     "overwrite",
+    "max_staleness",  # how far ahead a vLLM server samples, not what the checkpoint holds
 )
 STEP_DIR = re.compile(r"^step(\d+)$")
 

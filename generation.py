@@ -238,18 +238,23 @@ def _vllm_reload_weights(llm, weights):
 
 def _vllm_load_into_worker(worker, weights):
     # vllm 0.32.0: reload_weights copies each checkpoint-format (name, tensor) into the live
-    # parameters; `model.load_weights` does not work on the CPU backend. Also the server's workers
-    # (vllm_server.WeightSyncExtension).
+    # parameters; `model.load_weights` alone does not work on the CPU backend (vllm_transfer.py's
+    # engine calls it inside the same layerwise reload).
     worker.reload_weights(weights_iterator=weights)
-    # vllm 0.32.0 CPU: process_weights_after_loading packs each linear's weight into a private
-    # copy for its GEMM kernel, and reload_weights redoes that only for the layers it loaded. A
-    # tied lm_head (Qwen2, Gemma) shares the embedding's weight, loads nothing of its own, and
-    # kept sampling from the old packed copy: repack every layer whose weight another shares.
+    repack_shared_weights(worker.model_runner.model)
+
+
+def repack_shared_weights(model):
+    """vllm 0.32.0 CPU: process_weights_after_loading packs each linear's weight into a private
+    copy for its GEMM kernel, and a reload redoes that only for the layers it loaded. A tied
+    lm_head (Qwen2, Gemma) shares the embedding's weight, loads nothing of its own, and kept
+    sampling from the old packed copy: repack every layer whose weight another shares. Also
+    vllm_transfer.py's gloo engine. Nothing on GPU."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         owners = {}
-        for m in worker.model_runner.model.modules():
+        for m in model.modules():
             if m._parameters.get("weight") is not None and hasattr(m, "quant_method"):
                 owners.setdefault(id(m._parameters["weight"]), []).append(m)
         for m in (m for group in owners.values() if len(group) > 1 for m in group):

@@ -115,9 +115,10 @@ from generation import (
 )
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
 from memory import MemoryLedger
+from prefetch import Prefetcher
 from runlog import RunLog
 from tasks import reward_functions, score_completions
-from vllm_server import vllm_generator
+from vllm_server import ServerError, vllm_generator
 from zero3_load import is_stage3, load_model
 from zero3_utils import all_max, frozen_config, frozen_engine, load_ds_config, save_hf
 
@@ -354,7 +355,15 @@ class Args:
     vllm_tensor_parallel_size: int = arg(1, "ranks sharing one vLLM engine", ">= 1")
     vllm_importance_cap: float = arg(
         0.0,
-        "> 0: truncated importance weights min(exp(trainer - vLLM logp), cap); 0: off",
+        "> 0: truncated importance weights min(exp(trainer - vLLM logp), cap); 0: off (with "
+        "--max_staleness > 0 and this flag not given: 3.0)",
+        ">= 0",
+    )
+    max_staleness: int = arg(
+        0,
+        "K > 0: asynchronous GRPO, server mode only: the vLLM server samples up to K steps "
+        "ahead while the trainer updates, each batch at most K weight versions old "
+        "(docs/async.md); 0: generate, then update",
         ">= 0",
     )
     # loss and update
@@ -482,6 +491,20 @@ def parse_args(argv=None):
         raise RunError(
             "--gather_for_generation False applies to HF generation; drop it with --use_vllm"
         )
+    if args.max_staleness and not (args.use_vllm and args.vllm_mode == "server"):
+        raise RunError(
+            "--max_staleness > 0 needs a vLLM server (--use_vllm True --vllm_mode server, as "
+            "VLLM_DEVICES=... bash run.sh sets): colocated engines and HF generation share the "
+            "trainer's devices, so there is nothing to overlap"
+        )
+    if args.max_staleness and args.dynamic_sampling:
+        raise RunError(
+            "--dynamic_sampling with --max_staleness > 0 is not supported: drop one of them"
+        )
+    given = sys.argv[1:] if argv is None else argv
+    cap_given = any(a.split("=")[0] == "--vllm_importance_cap" for a in given)
+    if args.max_staleness and not cap_given:
+        args.vllm_importance_cap = 3.0  # off-policy by up to K versions: correct it, bounded
     if args.vllm_importance_cap and not args.use_vllm:
         raise RunError(
             "--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)"
@@ -995,6 +1018,44 @@ def rollout(engine, vllm, tokenizer, train_rows, step, args, ledger):
         return first, to_batch(sample, keep, args, tokenizer.pad_token_id), dynamic
 
 
+# ---- Asynchronous GRPO (--max_staleness K): the server samples ahead, a variant on its own ------
+def start_prefetch(engine, vllm, tokenizer, train_rows, start_step, args):
+    """Sends the starting weights to the server (version vllm.syncs), then starts a Prefetcher
+    whose thread samples and scores each step's groups on this rank over HTTP (sample_groups: no
+    collective) once step - K - 1 is trained and its weights sent (prefetch.py). A failed
+    request is retried once. After --resume the steps in flight at the stop are sampled again."""
+    rank, world, N = dist.get_rank(), dist.get_world_size(), args.prompts_per_rank
+
+    def produce(step):
+        rows = batch_rows(train_rows, step, N * world, args.seed)[rank * N : (rank + 1) * N]
+        return sample_groups(engine, vllm, tokenizer, rows, args)
+
+    vllm.sync_weights(engine)
+    version = lambda: vllm.syncs  # noqa: E731  (the weights the server holds now)
+    return Prefetcher(
+        produce, start_step, args.max_steps, args.max_staleness, version, (ServerError,)
+    )
+
+
+def async_rollout(prefetch, vllm, tokenizer, step, args, ledger):
+    """rollout()'s asynchronous variant: this rank's groups for `step` from the prefetcher, sampled
+    with weights at most K versions older than the trainer's (older ones are sampled again:
+    async/dropped). The importance weights (--vllm_importance_cap, on by default here) correct
+    the rest. Returns rollout()'s triple; the third holds the staleness figures."""
+    with ledger.phase("rollout"):
+        sample, staleness, waited = prefetch.get(step, vllm.syncs)
+    mine = [[staleness, waited, prefetch.idle_seconds(), prefetch.dropped]]
+    ranks = all_cat(torch.tensor(mine, dtype=torch.float64))
+    stats = {  # ranks: (world, 4)
+        "async/staleness_mean": ranks[:, 0].mean().item(),
+        "async/staleness_max": int(ranks[:, 0].max()),
+        "async/trainer_wait_s": ranks[:, 1].max().item(),  # the trainer idle, waiting for rollouts
+        "async/server_wait_s": ranks[:, 2].max().item(),  # a producer K steps ahead, idle
+        "async/dropped": int(ranks[:, 3].sum()),  # over K versions old: sampled again
+    }
+    return sample, to_batch(sample, None, args, tokenizer.pad_token_id), stats
+
+
 def step_row(step, first, totals, engine, args):
     """One metrics.jsonl row of the training rewards (the step's first-round samples, all ranks:
     what the policy does, before dynamic sampling picks groups) and the update's metrics (omitted
@@ -1103,7 +1164,7 @@ def main(argv=None):
     )  # what ran, metrics.jsonl, wandb
 
     def held_out(step, when):
-        if vllm is not None:
+        if vllm is not None and not args.max_staleness:  # async: synced after every update
             vllm.sync_weights(engine)  # wakes it after sleep()
         reward, acc = evaluate(engine, vllm, tokenizer, eval_rows, args, rank, world)
         n = len(eval_rows)
@@ -1120,6 +1181,9 @@ def main(argv=None):
     guard = StepGuard(args.max_bad_steps)
     adapter = KnobAdapter(args, "grpo")  # --memory_budget_gb: update-neutral knobs between steps
     t_start = time.time()
+    prefetch = None  # --max_staleness K: the server samples ahead (async_rollout)
+    if args.max_staleness:
+        prefetch = start_prefetch(engine, vllm, tokenizer, train_rows, start_step, args)
     first_eval = float("nan")  # on resume the first held-out score is already in metrics.jsonl
     if args.num_eval_prompts and not args.resume:
         first_eval = held_out(start_step, f"step {start_step}")
@@ -1133,7 +1197,10 @@ def main(argv=None):
         torch.manual_seed(args.seed * 7919 + step * world + rank)
 
         # 3. rollout: whole groups on this rank, scored; advantages on whole groups -------------
-        first, batch, extra = rollout(engine, vllm, tokenizer, train_rows, step, args, ledger)
+        if prefetch is None:
+            first, batch, extra = rollout(engine, vllm, tokenizer, train_rows, step, args, ledger)
+        else:
+            first, batch, extra = async_rollout(prefetch, vllm, tokenizer, step, args, ledger)
         t_rollout = time.time() - t0
 
         # 4. old and reference log-probs, no grad, micro-batch by micro-batch ----------------
@@ -1154,6 +1221,10 @@ def main(argv=None):
         t1 = time.time()
         totals = update(engine, batch, args, device, ledger)
         t_update = time.time() - t1
+        if prefetch is not None:  # the new weights to the server; then one more step may start
+            with ledger.phase("weight_sync"):
+                vllm.sync_weights(engine)
+            prefetch.step_done()
 
         # 6. logging and saving --------------------------------------------------------------
         row = step_row(step + 1, first, totals, engine, args)
@@ -1202,6 +1273,8 @@ def main(argv=None):
             raise Stopped(stop.message(signum, step + 1, saved))  # exit 5 (checkpoint.py)
 
     bar.close()
+    if prefetch is not None:
+        prefetch.close()
     if args.num_eval_prompts:
         last = held_out(args.max_steps, "end")
         # start: in metrics.jsonl

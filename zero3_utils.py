@@ -259,6 +259,22 @@ def _lora_units(model):
     ]
 
 
+def _units(model):
+    """[(name, [params], merge)]: what iter_full_params yields, in its order."""
+    units = _lora_units(model)
+    return units if units is not None else [(n, [p], None) for n, p in model.named_parameters()]
+
+
+def full_param_meta(model_or_engine):
+    """[(name, dtype, full shape)] of what iter_full_params yields, in its order, without a
+    gather (ZeRO-3 keeps each parameter's full shape in ds_shape; a LoRA merge has its base
+    weight's)."""
+    return [
+        (name, params[0].dtype, tuple(getattr(params[0], "ds_shape", params[0].shape)))
+        for name, params, _ in _units(_module(model_or_engine))
+    ]
+
+
 @torch.no_grad()
 def iter_full_params(model_or_engine, max_numel=2**26):
     """Yield (name, full tensor) for every parameter, gathering one bounded group at a time.
@@ -273,10 +289,7 @@ def iter_full_params(model_or_engine, max_numel=2**26):
     computed per layer; the trained weights are not touched), under the base model's names: what
     vLLM and `from_pretrained` load, so a LoRA run syncs and saves like a full fine-tune.
     """
-    model = _module(model_or_engine)
-    units = _lora_units(model)
-    if units is None:
-        units = [(name, [p], None) for name, p in model.named_parameters()]
+    units = _units(_module(model_or_engine))
     for group in _groups(
         [(u, sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for p in u[1])) for u in units],
         max_numel,

@@ -92,6 +92,10 @@ def main(model_dir, url):
         f"server after sync != HF after 2 steps\n{synced.completion_ids}\n{hf_after.completion_ids}"
     )
     ok(f"weight sync: server == updated HF, != before ({gen.last_sync_seconds:.2f} s)")
+    if rank == 0:
+        version = gen.weight_version()  # /weight_info: this file's second sync on this server
+        assert version == "2", f"the server's weight version is {version!r}, not '2'"
+        ok("the server's weight version is the count of syncs")
     dist.barrier()
     print(f"rank {rank} DONE", flush=True)
 

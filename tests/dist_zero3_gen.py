@@ -41,7 +41,14 @@ def main(model_dir, tied_dir, out_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from generation import generate_hf, unwrap_for_generation
-    from zero3_utils import frozen_engine, is_sharded, is_zero3, iter_full_params, save_hf
+    from zero3_utils import (
+        frozen_engine,
+        full_param_meta,
+        is_sharded,
+        is_zero3,
+        iter_full_params,
+        save_hf,
+    )
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -172,6 +179,8 @@ def main(model_dir, tied_dir, out_dir):
         full[name] = t.clone()
     total = sum(p.ds_numel for p in engine.module.parameters())
     assert names == [n for n, _ in engine.module.named_parameters()]
+    # read without a gather (ZeRO-3's ds_shape): what vLLM's weight transfer is told first
+    assert full_param_meta(engine) == [(n, t.dtype, tuple(t.shape)) for n, t in full.items()]
     assert 0 < peak < total, f"peak {peak} vs total {total}: not streamed"
     with unwrap_for_generation(engine, gather=True) as m:
         for n, p in m.named_parameters():

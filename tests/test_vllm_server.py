@@ -7,6 +7,7 @@
 - The server killed mid-run: run.sh exits 6 naming its address and log; no process left behind.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -47,11 +48,12 @@ def processes_mentioning(text):
     return [line for line in out.stdout.splitlines() if text in line and "ps -e" not in line]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    """One vLLM CPU server on tiny_model (its own session); stopped with its group."""
-    port, log = free_port(), tmp_path_factory.mktemp("server") / "vllm_server.log"
-    argv = [sys.executable, "vllm_server.py", tiny_model, str(port), "127.0.0.1", "1"]
+@contextlib.contextmanager
+def serve(model, log):
+    """One vLLM CPU server on `model` (its own session), logging to `log`; yields (url, pid);
+    stopped with its group."""
+    port = free_port()
+    argv = [sys.executable, "vllm_server.py", model, str(port), "127.0.0.1", "1"]
     argv += ["--dtype", "float32", "--max-model-len", "128", "--enforce-eager"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     with open(log, "w") as f:
@@ -69,7 +71,7 @@ def server(tiny_model, tmp_path_factory):
                 if proc.poll() is not None or time.time() > deadline:
                     pytest.fail(f"vLLM server did not start:\n{log.read_text()[-4000:]}")
                 time.sleep(2)
-        yield url
+        yield url, proc.pid
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -79,6 +81,12 @@ def server(tiny_model, tmp_path_factory):
         time.sleep(1)
         for pid in session_processes(proc.pid):  # vLLM's engine core and workers too
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    with serve(tiny_model, tmp_path_factory.mktemp("server") / "vllm_server.log") as (url, _):
+        yield url
 
 
 def test_server_generation_logprobs_and_sync(tiny_model, server):
@@ -101,6 +109,58 @@ def test_server_never_sleeps(monkeypatch):
     gen.url, gen.rank, gen.timeout, gen.log_file = f"http://127.0.0.1:{free_port()}", 0, 5, "-"
     gen.sleep()
     assert not hasattr(gen, "wake_up")
+
+
+def test_seeded_sampling_over_more_prompt_tokens_than_one_step(server, monkeypatch):
+    """40 prompts x 100 tokens in one request: more than the CPU server's token budget per
+    scheduler step (2048). Seeded requests (every request here) whose prompts vLLM prefilled in
+    chunks killed its CPU engine ("CPU Generator does not use offset"); server_argv turns
+    chunked prefill off on CPU. The server answers, and answers again (it is alive)."""
+    from vllm_server import VLLMServerGenerator, server_argv
+
+    assert "--no-enable-chunked-prefill" in server_argv("m", 8000)  # this machine: CPU
+    assert "--no-enable-chunked-prefill" not in server_argv(
+        "m", 8000, extra=["--enable-chunked-prefill"]
+    )
+    gen = VLLMServerGenerator(server, seed=3)
+    prompts = [[3 + (i * 7 + j) % 40 for j in range(100)] for i in range(40)]
+    for _ in range(2):
+        out = gen.generate(prompts, max_new_tokens=4, temperature=1.0)
+        assert out.completion_ids.shape[0] == 40 and out.completion_mask.sum() >= 40
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # GPU: vLLM's defaults stay
+    assert "--no-enable-chunked-prefill" not in server_argv("m", 8000)
+
+
+def test_server_worker_killed_mid_sync(tiny_model, tmp_path):
+    """The server's engine process (its worker) killed in the middle of a weight sync, after a
+    first sync that worked: rank 0 ends with the one-line server error, never a hang (this
+    test's timeout is far below the sync's 30-minute limit)."""
+    log = tmp_path / "vllm_server.log"
+    with serve(tiny_model, log) as (url, pid):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=2",
+                f"--master_port={free_port()}",
+                "tests/dist_vllm_sync_kill.py",
+                tiny_model,
+                url,
+                str(pid),
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    out = proc.stdout + proc.stderr
+    assert "OK first sync, weight version 1" in out, out[-4000:]
+    assert "killed the server's engine" in out, out[-4000:]
+    assert proc.returncode != 0, out[-4000:]
+    assert "rank 0 exit 6" in out or "[rank 0] error: the vLLM server at" in out, out[-4000:]
+    assert "DONE" not in out, out[-4000:]
 
 
 def test_unreachable_server_error():
@@ -135,13 +195,19 @@ def test_run_sh_ppo_vllm(tmp_path, mode):
         assert session_processes(pid) == [], "the vLLM server outlived run.sh"
 
 
-def test_server_killed_mid_run(tmp_path):
-    """The server dies during training: run.sh exits 6 with one message naming the server's
-    address and log file, and no process of the run or the server is left."""
+ASYNC_GRPO = [*SMALL[:6], "--per_device_train_batch_size", "4", "--save_model", "False"]
+ASYNC_GRPO += ["--max_staleness", "1"]
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo-async"])
+def test_server_killed_mid_run(tmp_path, algo):
+    """The server dies during training (PPO; asynchronous GRPO, whose rollouts run in a thread of
+    their own, K = 1): run.sh exits 6 with one message naming the server's address and log file,
+    and no process of the run or the server is left."""
     run_dir = tmp_path / "run"
     proc = conftest.run_sh(
-        "ppo",
-        *SMALL,
+        algo.split("-")[0],
+        *(SMALL if algo == "ppo" else ASYNC_GRPO),
         "--max_steps",
         "200",
         env={"RUN_DIR": str(run_dir), "VLLM_DEVICES": "cpu"},

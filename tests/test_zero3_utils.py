@@ -7,7 +7,15 @@ import json
 import pytest
 import torch
 
-from zero3_utils import _groups, gathered, is_sharded, is_zero3, iter_full_params, load_ds_config
+from zero3_utils import (
+    _groups,
+    full_param_meta,
+    gathered,
+    is_sharded,
+    is_zero3,
+    iter_full_params,
+    load_ds_config,
+)
 
 
 def write(tmp_path, cfg):
@@ -119,6 +127,8 @@ def test_a_lora_model_streams_as_its_merged_base_model(tiny_model):
     before = {n: p.clone() for n, p in model.named_parameters()}
     streamed = {n: t.clone() for n, t in iter_full_params(model, max_numel=5000)}
     assert list(streamed) == [n for n, _ in base.named_parameters()]
+    # what vLLM's weight transfer is told before the stream (vllm_transfer.ZeRO3Weights)
+    assert full_param_meta(model) == [(n, t.dtype, tuple(t.shape)) for n, t in streamed.items()]
     merged = model.merge_and_unload()  # peft's own merge, as the reference
     for n, p in merged.named_parameters():
         torch.testing.assert_close(streamed[n], p.data, rtol=1e-6, atol=1e-6)
