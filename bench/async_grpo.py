@@ -4,13 +4,14 @@ run, with this machine's cores split between a vLLM CPU server and the trainer (
     python bench/async_grpo.py                                  # the default task, 30 steps
     python bench/async_grpo.py --config smollm2 --steps 4       # SmolLM2-135M-Instruct on GSM8K
 
-Method: one vLLM CPU server (vllm_server.py, fp32, eager) pinned to --server_cpus, started once
-and left running (each run sends its own starting weights first); each run is `bash run.sh grpo
-... --use_vllm True --vllm_mode server --vllm_server_url URL --max_staleness K` pinned to
---trainer_cpus (2 ranks, ZeRO-3, a fresh run dir), the same seed, data and steps; K = 0, 1, 0, 1,
-... (--rounds pairs). Per run: the median seconds per step after the first (the first step of an
-asynchronous run waits for its first batch), its rollout and update seconds, and the held-out
-reward at the start and the end. Prints a table and writes bench/out/async_grpo/<config>.json.
+Method: one vLLM CPU server (vllm_server.py, fp32, eager) pinned to --server_cpus, started once and
+left running (each run sends its own starting weights first); each run is `bash run.sh grpo ...
+--use_vllm True --vllm_mode server --vllm_server_url URL --max_staleness K` pinned to --trainer_cpus
+(2 ranks, ZeRO-3, a fresh run dir), the same seed, data and steps; K = 0, 1, 0, 1, ... (--rounds
+pairs), both with --vllm_importance_cap 3 (the passes are the same). Per run: the median seconds per
+step after the first (the first step of an asynchronous run waits for its first batch), its rollout
+and update seconds, and the held-out reward at the start and the end. Prints a table and writes
+bench/out/async_grpo/<config>.json.
 """
 
 import json
@@ -94,7 +95,8 @@ def one_run(url, flags, k, name, args):
     argv = ["taskset", "-c", args.trainer_cpus, "bash", "run.sh", "grpo", *flags]
     argv += ["--max_steps", str(args.steps), "--eval_steps", "0", "--save_model", "False"]
     argv += ["--use_vllm", "True", "--vllm_mode", "server", "--vllm_server_url", url]
-    argv += ["--max_staleness", str(k), "--overwrite", "True"]
+    # equal work: the importance weights (and the old log-probs they need) on both sides
+    argv += ["--max_staleness", str(k), "--vllm_importance_cap", "3", "--overwrite", "True"]
     t0 = time.time()
     out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
