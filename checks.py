@@ -330,13 +330,14 @@ def check_inputs(args, rank):
         if any(r.get("answer") is None for r in probe):
             where = answerless_row(args.data, train_rows + eval_rows)
             hint = f'; {where} has no "answer" field (the functions get None)'
-        probe_rewards(
-            lambda rows, completions, g: score_completions(
-                args.funcs, args.weights, rows, completions, g
-            ),
-            probe,
-            hint=hint,
-        )
+        conversational = bool(getattr(args, "env", ""))  # grpo's --env: messages after the prompt
+
+        def score(rows, completions, g):
+            if conversational:
+                completions = [[{"role": "assistant", "content": c}] for c in completions]
+            return score_completions(args.funcs, args.weights, rows, completions, g)
+
+        probe_rewards(score, probe, hint=hint)
     return train_rows, eval_rows, model_path, config, tokenizer
 
 

@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+import envs
 import smollm2
 from batching import (
     all_cat,
@@ -359,6 +360,12 @@ class Args:
         "--max_staleness > 0 and this flag not given: 3.0)",
         ">= 0",
     )
+    env: str = arg(
+        "",
+        "module:factory: multi-turn rollouts, an environment answering each assistant turn "
+        "(a tool, a simulated user; docs/envs.md); empty: one assistant turn",
+    )
+    max_turns: int = arg(4, "with --env: assistant turns per conversation at most", ">= 1")
     max_staleness: int = arg(
         0,
         "K > 0: asynchronous GRPO, server mode only: the vLLM server samples up to K steps "
@@ -497,6 +504,12 @@ def parse_args(argv=None):
             "VLLM_DEVICES=... bash run.sh sets): colocated engines and HF generation share the "
             "trainer's devices, so there is nothing to overlap"
         )
+    args.env_factory = envs.load_env(args.env) if args.env else None
+    if args.env and (args.dynamic_sampling or args.max_staleness):
+        raise RunError(
+            "--env runs with the synchronous rollout only: drop --dynamic_sampling and "
+            "--max_staleness"
+        )
     if args.max_staleness and args.dynamic_sampling:
         raise RunError(
             "--dynamic_sampling with --max_staleness > 0 is not supported: drop one of them"
@@ -601,11 +614,11 @@ def preflight(args, rank, world):
 
 
 # ---- Rollout: generate (batching.py encodes and pads, tasks.py scores) -------------------------
-def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations):
+def generate(engine, vllm, tokenizer, prompt_ids, args, num_generations, max_new_tokens=None):
     """Generations for whole groups on this rank: G completions of each prompt, prompt-major."""
     kw = dict(
         num_generations=num_generations,
-        max_new_tokens=args.max_completion_length,
+        max_new_tokens=max_new_tokens or args.max_completion_length,
         temperature=args.temperature,
         top_p=args.top_p,
     )
@@ -631,11 +644,45 @@ def sample_groups(engine, vllm, tokenizer, rows, args):
     Generations (N * G rows, prompt-major), "rewards": (N * G,) the weighted total, "per_func":
     {name: (N * G,)}}."""
     G = args.num_generations
+    if args.env_factory is not None:  # multi-turn: envs.py, one turn per generate call
+        return multi_turn_groups(engine, vllm, tokenizer, rows, args)
     prompt_ids = encode_prompts(tokenizer, rows, args.max_prompt_length, args.template_kwargs)
     gens = generate(engine, vllm, tokenizer, prompt_ids, args, G)
     completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
     rewards, per_func = score_completions(args.funcs, args.weights, rows, completions, G)
     return {"prompt_ids": prompt_ids, "gens": gens, "rewards": rewards, "per_func": per_func}
+
+
+def multi_turn_groups(engine, vllm, tokenizer, rows, args, G=None):
+    """sample_groups() with --env: G conversations per prompt (envs.rollout; default
+    num_generations), the sampled ids kept as sampled, the environment's turns in the completion
+    with loss_mask 0 (B, C) on them; the rewards get each completion as its messages after the
+    prompt."""
+    G = G or args.num_generations
+
+    def one_turn(prompt_ids, max_new_tokens):
+        return generate(engine, vllm, tokenizer, prompt_ids, args, 1, max_new_tokens)
+
+    ep = envs.rollout(
+        one_turn,
+        tokenizer,
+        rows,
+        args.env_factory,
+        G,
+        args.max_turns,
+        args.max_completion_length,
+        args.stop_ids,
+        args.template_kwargs,
+    )
+    rewards, per_func = score_completions(args.funcs, args.weights, rows, ep.completions, G)
+    return {
+        "prompt_ids": ep.prompt_ids,
+        "gens": Generations(ep.completion_ids, ep.completion_mask, ep.logprobs),
+        "rewards": rewards,
+        "per_func": per_func,
+        "loss_mask": ep.loss_mask,  # (B, C)
+        "env_stats": ep.stats,
+    }
 
 
 def take_groups(sample, groups, G):
@@ -740,10 +787,19 @@ def to_batch(sample, keep, args, pad_id):
     batch["keep"] = keep
     batch["truncated"] = truncated(gens, args.stop_ids, args.max_completion_length)  # (B,)
     batch["sampler_logps"] = gens.logprobs  # (B, C) or None
+    batch["loss_mask"] = sample.get("loss_mask")  # (B, C): --env, 0 on its turns; else None
     return batch
 
 
 # ---- Micro-batches, log-probs and the update -------------------------------------------------
+def loss_tokens(b):
+    """(rows, C): the tokens the loss, its normaliser and the sampler checks count: the
+    completion's, less an environment's turns (--env: b["loss_mask"]). completion_mask itself
+    stays every real token: attention, micro-batch widths and packing read it."""
+    mask = b["completion_mask"]  # (rows, C)
+    return mask if b.get("loss_mask") is None else mask * b["loss_mask"]
+
+
 def to_device(t, device):
     """A micro-batch's tensor on `device`; None (no reference model, one iteration) stays None."""
     return None if t is None else t.to(device)
@@ -773,8 +829,8 @@ def vllm_importance_weights(batch, args):
     """vLLM sampled these tokens but scores them a bit differently from the trainer: truncated
     importance weights min(exp(old - vLLM logp), cap) (B, C), and the mean ratio over the kept
     tokens of all ranks (1 = identical)."""
-    mask = batch["completion_mask"] * keep_mask(batch, args)[:, None]  # (B, C)
-    gap = (batch["old_logps"] - batch["sampler_logps"]) * batch["completion_mask"]  # (B, C)
+    mask = loss_tokens(batch) * keep_mask(batch, args)[:, None]  # (B, C)
+    gap = (batch["old_logps"] - batch["sampler_logps"]) * loss_tokens(batch)  # (B, C)
     ratio_sum, n = all_sum([(torch.exp(gap) * mask).sum().item(), mask.sum().item()])
     return torch.exp(gap).clamp(max=args.vllm_importance_cap), ratio_sum / max(n, 1.0)
 
@@ -801,7 +857,7 @@ def batch_normalizer(batch, plan, args):
     """The whole batch's loss denominator: loss_normalizer summed over the real micro-batches of
     every rank (zero-weight repeats add nothing). The one place it is computed."""
     local = sum(
-        weight * loss_normalizer(mb["completion_mask"], args.loss_type, args.max_completion_length)
+        weight * loss_normalizer(loss_tokens(mb), args.loss_type, args.max_completion_length)
         for _, mb, weight in micro_batches(batch, plan)
     )
     (total,) = all_sum([local])
@@ -847,7 +903,7 @@ def update(engine, batch, args, device, ledger=None):
     totals = all_sum([sums[k] for k in UPDATE_METRICS] + [float(keep.sum())])
     gap = {}
     if trainer is not None and normalizer > 0:  # alike on every rank: a collective
-        mask = batch["completion_mask"] * keep[:, None]  # (B, C) the tokens forwarded
+        mask = loss_tokens(batch) * keep[:, None]  # (B, C) the sampled tokens forwarded
         gap = sampler_logp_gap(trainer, Generations(None, mask, sampled))
     return {
         **dict(zip(UPDATE_METRICS, totals)),
@@ -886,7 +942,7 @@ def train_on_batch(engine, batch, plan, args, normalizer, device, ledger=None, l
                 return_entropy=True,
                 chunk_size=args.logprob_chunk_size,  # 0: logprobs.py's default
             )  # (b, c)
-            mask = mb["completion_mask"].to(device)  # (b, c)
+            mask = loss_tokens(mb).to(device)  # (b, c)
             loss, metrics = grpo_loss(
                 logps,
                 to_device(mb["old_logps"], device),
@@ -924,10 +980,14 @@ def evaluate(engine, vllm, tokenizer, rows, args, rank, world):
         return float("nan"), float("nan")
     mine = rows[rank::world]
     torch.manual_seed(args.seed + 12345 + rank)  # the same eval samples at every point of a run
-    prompt_ids = encode_prompts(tokenizer, mine, args.max_prompt_length, args.template_kwargs)
-    gens = generate(engine, vllm, tokenizer, prompt_ids, args, 1)
-    completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
-    total, per_func = score_completions(args.funcs, args.weights, mine, completions, 1)
+    if args.env_factory is not None:  # the same conversations as in training, one per prompt
+        sample = multi_turn_groups(engine, vllm, tokenizer, mine, args, G=1)
+        total, per_func = sample["rewards"], sample["per_func"]
+    else:
+        prompt_ids = encode_prompts(tokenizer, mine, args.max_prompt_length, args.template_kwargs)
+        gens = generate(engine, vllm, tokenizer, prompt_ids, args, 1)
+        completions = tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
+        total, per_func = score_completions(args.funcs, args.weights, mine, completions, 1)
     solved = torch.stack([r >= 1 for r in per_func.values()]).all(0)  # (B,)
     reward_sum, solved_sum, n = all_sum([total.sum().item(), solved.sum().item(), len(mine)])
     return reward_sum / n, solved_sum / n
@@ -1006,6 +1066,11 @@ def rollout(engine, vllm, tokenizer, train_rows, step, args, ledger):
     with ledger.phase("rollout"):
         sample = first = sample_groups(engine, vllm, tokenizer, rows, args)
         keep, dynamic = None, {}
+        if "env_stats" in first:  # --env: turns per conversation, conversations cut, over ranks
+            names = list(first["env_stats"])
+            sums = all_sum([first["env_stats"][k] for k in names])
+            dynamic = dict(zip(names, sums))
+            dynamic["env/turns"] /= dist.get_world_size()  # a mean of the ranks' means
         if args.dynamic_sampling:  # DAPO: groups without reward spread out, fresh ones in
 
             def more(round_, n):
@@ -1156,7 +1221,7 @@ def main(argv=None):
     log = RunLog(
         args.run_dir,
         __file__,
-        {k: v for k, v in vars(args).items() if k != "funcs"},
+        {k: v for k, v in vars(args).items() if k not in ("funcs", "env_factory")},
         rank,
         args.report_to,
         resume_step=start_step if args.resume else None,  # drop rows the killed run wrote after it
