@@ -89,7 +89,9 @@ def unwrap_for_generation(engine, gather=True, resident_bytes=0):
     parameters stay gathered for the whole generation, the rest are fetched layer by layer.
     """
     model = _module(engine)
-    was_training = model.training
+    # every module's own flag: the checkpointed layers train while the rest of the model is in
+    # eval mode (zero3_load.enable_gradient_checkpointing), which model.train(flag) would undo
+    modes = {m: m.training for m in model.modules()}
     # Flip the flags, not gradient_checkpointing_enable(): that keeps the checkpoint function and
     # its kwargs exactly as the trainer set them. HF generate drops the KV cache under
     # checkpointing.
@@ -111,7 +113,8 @@ def unwrap_for_generation(engine, gather=True, resident_bytes=0):
     finally:
         for m, flag in ckpt.items():
             m.gradient_checkpointing = flag
-        model.train(was_training)
+        for m, training in modes.items():
+            m.training = training
 
 
 def _cut_after_eos(ids, eos_ids, pad_token_id):

@@ -120,7 +120,7 @@ from prefetch import Prefetcher
 from runlog import RunLog
 from tasks import reward_functions, score_completions
 from vllm_server import ServerError, vllm_generator
-from zero3_load import is_stage3, load_model
+from zero3_load import enable_gradient_checkpointing, is_stage3, load_model
 from zero3_utils import all_max, frozen_config, frozen_engine, load_ds_config, save_hf
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
@@ -1008,7 +1008,7 @@ def build_models(args, model_path, dtype, ds_config, tokenizer):
         AutoModelForCausalLM, model_path, ds_config=ds_config if part else None, **attn
     )
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_gradient_checkpointing(model)
     if args.lora_r:  # only the adapters train; the reference needs no copy (adapters off)
         from peft import LoraConfig, get_peft_model  # optional and slow to import: LoRA runs only
 

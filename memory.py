@@ -46,6 +46,8 @@ S tokens per sequence (prompt + completion), C completion tokens, m micro-batch 
 The largest phase is the pre-flight verdict; `knobs_to_fit` lists the changes that get under it.
 """
 
+import ctypes
+import functools
 import json
 import os
 from contextlib import contextmanager
@@ -61,6 +63,25 @@ GB = 2**30
 def _proc_status_kib(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+
+def release_free_heap():
+    """Give the heap memory glibc holds freed back to the kernel (malloc_trim), on CPU at the start
+    of every phase: freed tensors below glibc's mmap threshold (which rises after large frees, up
+    to 32 MiB) stay resident otherwise, and a rank's resident set grows step after step with
+    memory nothing uses. A no-op where libc has no malloc_trim."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc():
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # no C library to load (not Linux/glibc)
+        return None
 
 
 def is_out_of_memory(e):
@@ -105,6 +126,7 @@ class MemoryLedger:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.linux:
+            release_free_heap()
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # "5" resets the high-water mark VmHWM to the current RSS
 

@@ -53,7 +53,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import deepspeed
@@ -124,7 +124,7 @@ from memory import MemoryLedger
 from runlog import RunLog
 from tasks import RewardError, reward_functions, score_completions
 from vllm_server import vllm_generator
-from zero3_load import load_model
+from zero3_load import enable_gradient_checkpointing, load_model
 from zero3_utils import frozen_config, frozen_engine, gathered, load_ds_config, save_hf
 
 # --recipe NAME: a named set of defaults (--help lists them); a flag given on the command line wins
@@ -683,16 +683,28 @@ def rollout_scorers(actor, critic, ref, args, device):
 
 
 # ---- Micro-batches, rollout scoring and the update -----------------------------------------------
+@contextmanager
+def timed(times, name):
+    """Adds the block's wall seconds to times[name] (the per-model profile, time/* in metrics)."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[name] = times.get(name, 0.0) + time.perf_counter() - t
+
+
 @torch.no_grad()
-def rollout_forwards(scorers, batch, plan):
+def rollout_forwards(scorers, batch, plan, times):
     """{name: (B, C)} from each scorer fn(micro-batch) -> (b, c), micro-batch by micro-batch with
-    the update's slicing (same numerics). Zero-weight repeats keep ZeRO-3's collectives in step."""
+    the update's slicing (same numerics). Zero-weight repeats keep ZeRO-3's collectives in step.
+    Each scorer's seconds are added to times[name]."""
     out = {
         name: torch.zeros(batch["completion_mask"].shape, dtype=torch.float32) for name in scorers
     }  # (B, C)
     for idx, mb, weight in micro_batches(batch, plan):
         for name, fn in scorers.items():
-            v = fn(mb)  # (b, c)
+            with timed(times, name):
+                v = fn(mb)  # (b, c)
             if weight:
                 out[name][idx, : mb["logits_to_keep"]] = v.float().cpu()
     return out
@@ -722,7 +734,7 @@ def mini_batch_normalizer(batch, group):
     return max(total, 1.0)
 
 
-def update(actor, critic, batch, args, device, ledger=None):
+def update(actor, critic, batch, args, device, times, ledger=None):
     """The actor and critic update for one step's batch, on every rank alike; returns its metrics
     summed over ranks (UPDATE_METRICS, the same keys on every rank). In order:
 
@@ -740,7 +752,8 @@ def update(actor, critic, batch, args, device, ledger=None):
        policy loss, critic: clipped value loss), then ONE optimizer step per model;
     5. the metrics summed over ranks: the losses as the mean over mini-batch updates, token
        sums, and "skipped" (> 0: DeepSpeed refused a non-finite optimizer step).
-    With a MemoryLedger, the whole of it is its "update" phase.
+    With a MemoryLedger, the whole of it is its "update" phase. Seconds per model and pass are
+    added to times (actor_forward, actor_backward, critic_forward, critic_backward, optimizer).
     """
     world = actor.dp_world_size
     groups = mini_batch_plans(
@@ -762,43 +775,49 @@ def update(actor, critic, batch, args, device, ledger=None):
                         normalizer,
                         args,
                         device,
+                        times,
                     )
                     if weight:
                         metrics["policy_loss"] /= n_updates  # summed: the mean mini-batch loss
                         metrics["value_loss"] /= n_updates
                         for k, v in metrics.items():
                             sums[k] += float(v)
-                actor.step()
-                critic.step()
+                with timed(times, "optimizer"):
+                    actor.step()
+                    critic.step()
                 # DeepSpeed refused a non-finite step (alike on every rank): counted once per rank
                 sums["skipped"] += (not actor.was_step_applied()) + (not critic.was_step_applied())
     return dict(zip(UPDATE_METRICS, all_sum([sums[k] for k in UPDATE_METRICS])))
 
 
-def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, device):
+def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, device, times):
     """One micro-batch's forward and backward through both engines, its losses scaled by `scale`
     (the world size, or 0 for a zero-weight repeat); `boundary`: the mini-batch's last, where the
     optimizer step follows. Returns its metric sums."""
     mask = mb["completion_mask"].to(device)  # (b, c)
     # through the engines' forward: ZeRO-3 counts micro-steps there (see grpo.py)
     actor.set_gradient_accumulation_boundary(boundary)
-    logps, entropy = forward_logps(
-        actor,
-        mb,
-        args.temperature,
-        args.packing,
-        device,
-        return_entropy=True,
-        chunk_size=args.logprob_chunk_size,
-    )  # (b, c)
-    old_logps, advantages = mb["old_logps"].to(device), mb["advantages"].to(device)
-    pl, pm = policy_loss(logps, old_logps, advantages, mask, args.cliprange, normalizer)
-    actor.backward(pl * scale, scale_wrt_gas=False)
+    with timed(times, "actor_forward"):
+        logps, entropy = forward_logps(
+            actor,
+            mb,
+            args.temperature,
+            args.packing,
+            device,
+            return_entropy=True,
+            chunk_size=args.logprob_chunk_size,
+        )  # (b, c)
+        old_logps, advantages = mb["old_logps"].to(device), mb["advantages"].to(device)
+        pl, pm = policy_loss(logps, old_logps, advantages, mask, args.cliprange, normalizer)
+    with timed(times, "actor_backward"):
+        actor.backward(pl * scale, scale_wrt_gas=False)
     critic.set_gradient_accumulation_boundary(boundary)
-    values = forward_values(critic, mb, args.packing, device)  # (b, c)
-    old_values, returns = mb["values"].to(device), mb["returns"].to(device)
-    vl, vm = value_loss(values, old_values, returns, mask, args.cliprange_value, normalizer)
-    critic.backward(vl * scale, scale_wrt_gas=False)
+    with timed(times, "critic_forward"):
+        values = forward_values(critic, mb, args.packing, device)  # (b, c)
+        old_values, returns = mb["values"].to(device), mb["returns"].to(device)
+        vl, vm = value_loss(values, old_values, returns, mask, args.cliprange_value, normalizer)
+    with timed(times, "critic_backward"):
+        critic.backward(vl * scale, scale_wrt_gas=False)
     entropy = (entropy.detach() * mask).sum()
     return {**pm, **vm, "entropy": entropy, "policy_loss": pl.detach(), "value_loss": vl.detach()}
 
@@ -876,8 +895,8 @@ def main(argv=None):
         **attn,
     )
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        critic.body.gradient_checkpointing_enable()
+        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(critic.body)
     if args.lora_r:
         model = add_lora(model, critic, args)
     engine = trained_engine(model, actor_ds)
@@ -980,8 +999,9 @@ def main(argv=None):
         t_rollout = time.time() - t0
 
         # 4. old log-probs, reference log-probs, values: no grad, micro-batch by micro-batch -------
+        times = {}  # seconds per model and pass this step: time/* in metrics.jsonl
         with ledger.phase("logprobs"):
-            batch.update(rollout_forwards(scorers, batch, plan))
+            batch.update(rollout_forwards(scorers, batch, plan, times))
 
         if vllm is not None:
             sampler_gap = sampler_logp_gap(batch["old_logps"], gens)
@@ -999,7 +1019,7 @@ def main(argv=None):
 
         # 6. update: ppo_epochs x mini-batches, micro-batches with accumulation ---------------
         t1 = time.time()
-        totals = update(engine, critic_engine, batch, args, device, ledger)
+        totals = update(engine, critic_engine, batch, args, device, times, ledger)
         t_update = time.time() - t1
 
         # 7. logging and saving --------------------------------------------------------------
@@ -1044,6 +1064,7 @@ def main(argv=None):
             "rollout_s": t_rollout,
             "weight_sync_s": vllm.last_sync_seconds if vllm is not None else 0.0,
             "update_s": t_update,
+            **{f"time/{k}": v for k, v in times.items()},
             "elapsed_s": time.time() - t_start,
             **ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
             **{

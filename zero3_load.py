@@ -2,6 +2,7 @@
 checkpoint, so no rank ever holds the whole model in host memory. Imports no sibling file.
 
     load_model(auto_class, path, dtype, ds_config=None, attn_implementation="sdpa", **config_kw)
+    enable_gradient_checkpointing(model)   # in the eval mode load_model returns
 
 ds_config with ZeRO stage 3: the model is built under `deepspeed.zero.Init` (every parameter is
 partitioned as soon as its module is built; weight init is skipped, the checkpoint overwrites
@@ -191,3 +192,16 @@ def load_partitions(model, files):
             f" ({len(missing)} parameters); ZeRO-3 partitioned loading needs every parameter in "
             "the checkpoint: pass --partitioned_loading False to let transformers initialise them"
         )
+
+
+def enable_gradient_checkpointing(model):
+    """Gradient checkpointing that works in eval mode. The loops train in eval mode, as load_model
+    returns a model (no dropout: the update scores tokens exactly as the rollout did), but
+    transformers checkpoints a layer only while that layer's `training` flag is set, so with
+    gradient_checkpointing_enable() alone nothing is recomputed and every activation is kept.
+    Here only the modules that checkpoint (the decoder layers, their stack) are flagged as
+    training; their submodules (dropout, attention) stay in eval mode."""
+    model.gradient_checkpointing_enable()
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False):
+            m.training = True

@@ -4,6 +4,7 @@
     python bench/vs_trl.py --config 100m-toyvocab --prompts 4  # 85M, hidden 768, 12 layers, V=100
     python bench/vs_trl.py --config 100m-qwenvocab --prompts 2 # same body, Qwen2.5 tokenizer
     python bench/vs_trl.py --config tiny --sides ours          # only ours (CI: no TRL install)
+    python bench/vs_trl.py --config smollm2 [--gradient_checkpointing]  # the real instruct model
 
 Runs alternate (ours, TRL, ours, TRL, ...) so that load from other jobs hits both alike; each run
 is a fresh process (one process, CPU or one GPU). Every run's figures go to
@@ -17,7 +18,11 @@ The same work on both sides:
   bench/out/vs_trl/models/<config>, loaded from there by both), tokenizer, prompts (random digit
   strings of --prompt_chars characters; Qwen's chat template applied on both sides, the prompt
   ids checked equal before any run), the same reward (a crc32 hash of the completion text, so
-  rewards vary in every group and the gradient is real);
+  rewards vary in every group and the gradient is real; a math reward on forced-length
+  completions would be 0 nearly everywhere, and a step with no advantage measures less);
+- --config smollm2: SmolLM2-135M-Instruct itself (smollm2.py's converted model, its tokenizer and
+  ChatML template) in place of the random Llama, and the first --prompts GSM8K problems of the
+  smollm2-gsm8k recipe's data (system prompt + question, as conversations on both sides);
 - completions forced to full length: the saved generation_config.json has min_new_tokens = C,
   which HF `generate` merges into the GenerationConfig each side passes (transformers >= 5
   fills unset fields from the model's), so EOS is masked until C tokens exist; TRL also gets
@@ -53,7 +58,8 @@ Setting map (ours grpo.py flag -> TRL GRPOConfig field):
   (configs/zero2.json, torch_adam)               adam_beta2=0.99, adam_epsilon=1e-8
   --max_grad_norm 1.0                         -> max_grad_norm=1.0
   --dtype fp32                                -> bf16=False, model_init_kwargs dtype float32
-  --gradient_checkpointing False              -> gradient_checkpointing=False (TRL's default: True)
+  --gradient_checkpointing False              -> gradient_checkpointing=False (TRL's default: True;
+                                                 --gradient_checkpointing here: True on both)
   --reward_funcs vs_trl:crc_reward            -> reward_funcs=[crc_reward]
   --num_eval_prompts 0, --save_model False    -> eval_strategy="no", save_strategy="no"
   --seed 0                                    -> seed=0
@@ -143,6 +149,22 @@ CONFIGS = {  # body of the model, vocabulary, and the work per step
         steps=3,
         rounds=2,
     ),
+    # SmolLM2-135M-Instruct (tied, V=49,152) on GSM8K prompts, at the smollm2-gsm8k recipe's
+    # per-rank work (4 prompts x 8) with 128 tokens; hidden/layers/intermediate are what the
+    # model has, recorded, not built.
+    "smollm2": dict(
+        hidden=576,
+        layers=30,
+        intermediate=1536,
+        vocab="smollm2",
+        tie=True,
+        prompts=4,
+        generations=8,
+        completion=128,
+        micro=8,
+        steps=3,
+        rounds=2,
+    ),
 }
 PHASES = (
     "generation",
@@ -161,6 +183,11 @@ def crc_reward(prompts, completions, answers=None, **kwargs):
     conversational completions as message lists."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [zlib.crc32(t.encode()) % 1000 / 1000 for t in texts]
+
+
+def as_messages(prompt):
+    """A prompt as chat messages: a digit string becomes one user turn; GSM8K's are lists."""
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
 
 
 # ---- Model and data (built once per config, read by both sides) -----------------------------
@@ -191,6 +218,24 @@ def build_model(name, cfg, path):
         )
         with open(os.path.join(path, "tiny_models.json")) as f:
             params = json.load(f)["num_parameters"]
+    elif cfg["vocab"] == "smollm2":  # the real model: its files, the weights linked, not copied
+        import shutil
+
+        from transformers import AutoModelForCausalLM
+
+        import smollm2
+
+        src = smollm2.model_dir()
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(src):
+            dst = os.path.join(path, name)
+            if os.path.lexists(dst):
+                os.remove(dst)
+            if name.endswith(".safetensors"):
+                os.symlink(os.path.join(src, name), dst)
+            else:
+                shutil.copy(os.path.join(src, name), dst)
+        params = AutoModelForCausalLM.from_pretrained(path).num_parameters()
     else:
         if not os.path.isdir(QWEN_TOKENIZER):
             raise SystemExit(
@@ -229,6 +274,17 @@ def make_prompts(n, chars, seed=0):
     return ["".join(rng.choice("0123456789") for _ in range(chars)) for _ in range(n)]
 
 
+def gsm8k_prompts(n):
+    """The first n rows of the smollm2-gsm8k recipe's data: ([system, user] messages, answers).
+    Every step trains on all n prompts (the data is n rows), so both sides see the same lengths."""
+    sys.path.insert(0, ROOT)
+    import smollm2
+
+    with open(smollm2.gsm8k_train_file()) as f:
+        rows = [json.loads(line) for _, line in zip(range(n), f)]
+    return [r["prompt"] for r in rows], [r["answer"] for r in rows]
+
+
 def prompt_ids_both_ways(model_dir, prompts):
     """(ours, TRL's) prompt token ids: batching.encode_prompts, and what GRPOTrainer's
     _tokenize_prompts does (apply_chat_template on message lists, or plain tokenization)."""
@@ -240,7 +296,7 @@ def prompt_ids_both_ways(model_dir, prompts):
     tok = AutoTokenizer.from_pretrained(model_dir)
     ours = encode_prompts(tok, [{"prompt": p} for p in prompts], 10**6)
     if tok.chat_template:
-        convs = [[{"role": "user", "content": p}] for p in prompts]
+        convs = [as_messages(p) for p in prompts]
         trl = tok.apply_chat_template(
             conversation=convs, add_generation_prompt=True, tokenize=True, return_dict=True
         )["input_ids"]
@@ -459,8 +515,8 @@ def trl_worker(spec, result):
     accum = N * G // m
     conversational = spec["conversational"]
     rows = [
-        {"prompt": [{"role": "user", "content": p}] if conversational else p, "answer": "0"}
-        for p in spec["prompts"]
+        {"prompt": as_messages(p) if conversational else p, "answer": a}
+        for p, a in zip(spec["prompts"], spec["answers"])
     ]
     args = GRPOConfig(
         output_dir=spec["run_dir"],
@@ -474,7 +530,7 @@ def trl_worker(spec, result):
         bf16=False,
         fp16=False,
         model_init_kwargs={"dtype": torch.float32},
-        gradient_checkpointing=False,
+        gradient_checkpointing=spec["gradient_checkpointing"],
         max_steps=spec["steps"],
         per_device_train_batch_size=m,
         gradient_accumulation_steps=accum,
@@ -647,7 +703,7 @@ def ours_argv(a, cfg, model_dir, data, ds_json, run_dir):
         "--per_device_train_batch_size",
         str(cfg["micro"]),
         "--gradient_checkpointing",
-        "False",
+        str(a.gradient_checkpointing),
         "--dtype",
         "fp32",
         "--max_steps",
@@ -782,6 +838,11 @@ def main():
         help="ours: no gradient all-reduce at ZeRO-0 in one process (grpo.py now does this "
         "itself; the flag reproduces docs/benchmarks.md's before/after measurement)",
     )
+    ap.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="on both sides (TRL's default); results go to <config>-gc",
+    )
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS, both")
@@ -823,16 +884,23 @@ def main():
     if "trl" in sides:
         ensure_trl()
 
-    work = os.path.join(a.out, a.config)
+    name = a.config + ("-gc" if a.gradient_checkpointing else "")
+    work = os.path.join(a.out, name)
     os.makedirs(work, exist_ok=True)
     model_dir, params = build_model(a.config, cfg, os.path.join(a.out, "models", a.config))
-    prompts = make_prompts(cfg["prompts"], a.prompt_chars, a.seed)
+    if cfg["vocab"] == "smollm2":
+        prompts, answers = gsm8k_prompts(cfg["prompts"])
+    else:
+        prompts = make_prompts(cfg["prompts"], a.prompt_chars, a.seed)
+        answers = ["0"] * len(prompts)
     ours_ids, trl_ids = prompt_ids_both_ways(model_dir, prompts)
     if ours_ids != trl_ids:
         raise SystemExit(f"prompt ids differ: ours {ours_ids[0]} TRL {trl_ids[0]}")
     data = os.path.join(work, "prompts.jsonl")
     with open(data, "w") as f:
-        f.writelines(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts)
+        f.writelines(
+            json.dumps({"prompt": p, "answer": x}) + "\n" for p, x in zip(prompts, answers)
+        )
     ds_json = write_ds_json(a.zero, os.path.join(work, f"zero{a.zero}.json"))
     from transformers import AutoTokenizer
 
@@ -851,7 +919,7 @@ def main():
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
     print(
         f"{command}\n{a.config}: {params / 1e6:.2f}M parameters, V={vocab}, "
-        f"{cfg['prompts']} prompts x G={cfg['generations']}, P={len(ours_ids[0])} prompt tokens, "
+        f"{cfg['prompts']} prompts x G={cfg['generations']}, P={fmt_p(ours_ids)} prompt tokens, "
         f"C={cfg['completion']}, micro-batch {cfg['micro']}, ours ZeRO-{a.zero}, "
         f"{cfg['rounds']} rounds x {cfg['steps']} steps",
         flush=True,
@@ -866,6 +934,8 @@ def main():
                 "cfg": cfg,
                 "model": model_dir,
                 "prompts": prompts,
+                "answers": answers,
+                "gradient_checkpointing": a.gradient_checkpointing,
                 "conversational": conversational,
                 "run_dir": run_dir,
                 "steps": cfg["steps"],
@@ -934,13 +1004,14 @@ def main():
         }
     out = {
         "config": a.config,
+        "gradient_checkpointing": a.gradient_checkpointing,
         "cfg": cfg,
         "parameters": params,
         "command": command,
         "skip_one_rank_allreduce": a.skip_one_rank_allreduce,
         "trl_version": TRL_VERSION,
         "zero_stage": a.zero,
-        "prompt_tokens": len(ours_ids[0]),
+        "prompt_tokens": [len(i) for i in ours_ids],
         "machine": f"{os.cpu_count()} CPUs" if not _cuda() else _cuda(),
         "warmup": a.warmup,
         "stopped": stop,
@@ -948,7 +1019,7 @@ def main():
         "ratio": ratio,
         "runs": runs,
     }
-    path = os.path.join(a.out, f"{a.config}.json")
+    path = os.path.join(a.out, f"{name}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"\n{command}  ->  {os.path.relpath(path, ROOT)}")
@@ -978,6 +1049,11 @@ def main():
             "ours, the same run without timers: RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 "
             "MASTER_PORT=29500 PYTHONPATH=bench python grpo.py " + " ".join(argv)
         )
+
+
+def fmt_p(ids):
+    lens = sorted({len(i) for i in ids})
+    return str(lens[0]) if len(lens) == 1 else f"{lens[0]}-{lens[-1]}"
 
 
 def fmt(xs):

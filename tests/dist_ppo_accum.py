@@ -122,7 +122,7 @@ for micro, packing, budget in ((4, False, 0), (1, False, 0), (2, True, 0), (4, F
             before.update({(name, k): p.detach().clone() for k, p in e.module.named_parameters()})
     mine = slice(4 * rank, 4 * rank + 4)
     batch = {k: v[mine] for k, v in full.items()}
-    update(engines["actor"], engines["critic"], batch, args, cpu)
+    update(engines["actor"], engines["critic"], batch, args, cpu, {})
     for name, e in engines.items():
         with gathered(e.module):
             for k, p in e.module.named_parameters():

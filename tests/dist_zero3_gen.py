@@ -33,7 +33,7 @@ def state(engine):
     ckpt = tuple(
         m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing")
     )
-    return hooks, status, ckpt, model.training
+    return hooks, status, ckpt, tuple(m.training for m in model.modules())
 
 
 def main(model_dir, tied_dir, out_dir):
@@ -41,6 +41,7 @@ def main(model_dir, tied_dir, out_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from generation import generate_hf, unwrap_for_generation
+    from zero3_load import enable_gradient_checkpointing
     from zero3_utils import (
         frozen_engine,
         full_param_meta,
@@ -67,8 +68,7 @@ def main(model_dir, tied_dir, out_dir):
     ok("hf batched == unbatched")
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.gradient_checkpointing_enable()
-    model.train()
+    enable_gradient_checkpointing(model)  # the decoder layers flagged training, the rest eval
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config())
     assert is_zero3(engine) and is_sharded(engine) and not is_zero3(plain)
@@ -77,7 +77,7 @@ def main(model_dir, tied_dir, out_dir):
     before = state(engine)
     with unwrap_for_generation(engine, gather=True) as m:
         assert not is_sharded(m), "gather=True left parameters partitioned"
-        assert not m.training and not any(
+        assert not any(x.training for x in m.modules()) and not any(
             x.gradient_checkpointing for x in m.modules() if hasattr(x, "gradient_checkpointing")
         )
         with_gather_hooks = state(engine)[0]

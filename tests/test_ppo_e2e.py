@@ -58,6 +58,11 @@ def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
     assert json.load(open(a / "args.json"))["ds_config_resolved"]["zero_optimization"]["stage"] == 3
     r = full[0]
     assert r["mem/update"] > 0 and r["value_loss"] > 0 and 0 < r["entropy"]
+    # the per-model profile: every pass timed, together within the step's no-grad + update time
+    passes = ("old_logps", "values", "ref_logps", "actor_forward", "actor_backward")
+    passes += ("critic_forward", "critic_backward", "optimizer")
+    assert all(r[f"time/{k}"] > 0 for k in passes), r
+    assert sum(r[f"time/{k}"] for k in passes) <= r["step_s"] - r["rollout_s"]
     assert r["kl"] == 0.0  # the first rollout comes from the reference weights themselves
     assert r["value_mean"] == 0.0  # a critic from the actor starts with a zero value head
     assert full[1]["kl"] != 0.0 and full[1]["value_mean"] != 0.0  # both models moved after one step

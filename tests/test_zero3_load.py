@@ -127,3 +127,42 @@ def test_preflight_refuses_non_safetensors_under_zero3(tiny_model, tmp_path):
     assert "safetensors" in proc.stderr and "--partitioned_loading False" in proc.stderr
     proc = preflight("--partitioned_loading", "False")
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_gradient_checkpointing_recomputes_in_eval_mode(tiny_model):
+    """The loops train in eval mode (as load_model returns a model); checkpointing must still
+    recompute each layer in backward (gradient_checkpointing_enable() alone does not: transformers
+    checkpoints a layer only while it is flagged training), give the same gradients, keep dropout
+    off, and survive generation's unwrap."""
+    from transformers import AutoModelForCausalLM
+
+    from generation import unwrap_for_generation
+    from zero3_load import enable_gradient_checkpointing, load_model
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+
+    def layer_calls_and_grads(model):
+        calls = []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda m, a, k: calls.append(1), with_kwargs=True)
+        model.zero_grad()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return len(calls), [p.grad.clone() for p in model.parameters()]
+
+    plain = load_model(AutoModelForCausalLM, tiny_model, dtype=torch.float32)
+    n_layers = len(plain.model.layers)
+    calls, want = layer_calls_and_grads(plain)
+    assert calls == n_layers  # no checkpointing: each layer runs once
+
+    model = load_model(AutoModelForCausalLM, tiny_model, dtype=torch.float32)
+    enable_gradient_checkpointing(model)
+    assert not model.training and not model.model.layers[0].self_attn.training  # no dropout
+    calls, got = layer_calls_and_grads(model)
+    assert calls == 2 * n_layers  # forward, then recomputed in backward
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+    with unwrap_for_generation(model, gather=False):
+        assert not any(m.training for m in model.modules())
+    calls, _ = layer_calls_and_grads(model)
+    assert calls == 2 * n_layers  # still recomputed after generation
