@@ -1,0 +1,32 @@
+"""bench/ppo_vs_grpo.py's pass counts, read from the loops' own parsed Args (no run): the ratio it
+prints is set against these, so they must follow the flags each side is given."""
+
+import importlib.util
+import os
+
+from conftest import ROOT
+
+# Loaded from its file, not by putting bench/ on sys.path (bench/generation.py would shadow ours).
+_spec = importlib.util.spec_from_file_location(
+    "ppo_vs_grpo", os.path.join(ROOT, "bench", "ppo_vs_grpo.py")
+)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def counts(argv):
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(bench.Args).parse_args_into_dataclasses(args=argv)
+    return {loop: bench.passes(loop, bench.flags(loop, args)) for loop in ("grpo", "ppo")}
+
+
+def test_pass_counts_follow_each_sides_flags():
+    c = counts([])  # both recipes: checkpointing, PPO 2 epochs with a reference
+    assert c["grpo"] == {"forwards": 2, "backwards": 1, "forward_equivalents": 4}
+    assert c["ppo"] == {"forwards": 11, "backwards": 4, "forward_equivalents": 19}
+    c = counts(["--ppo_flags", "--ppo_epochs 1 --kl_coef 0", "--gradient_checkpointing", "False"])
+    assert c["ppo"] == {"forwards": 4, "backwards": 2, "forward_equivalents": 8}
+    assert c["grpo"]["forward_equivalents"] == 3
+    c = counts(["--grpo_flags", "--beta 0.04 --num_iterations 2"])
+    assert c["grpo"] == {"forwards": 6, "backwards": 2, "forward_equivalents": 10}
