@@ -48,7 +48,7 @@ def test_ours_side_tiny(tmp_path):
     res, stdout = run_bench(tmp_path, "ours")
     assert os.path.isdir(vs_trl.TRL_DIR) == had_trl  # --sides ours installs nothing
     assert res["parameters"] == pytest.approx(0.35e6, rel=0.05)
-    assert res["zero_stage"] == 0 and res["prompt_tokens"] == 17  # BOS + 16 digits
+    assert res["zero_stage"] == 0 and res["prompt_tokens"] == [17, 17]  # BOS + 16 digits, each
     (run,) = res["runs"]
     assert run["side"] == "ours" and run["returncode"] == 0 and len(run["steps"]) == 2
     assert [r["completion_len"] for r in run["log"]] == [32.0, 32.0]  # forced to full length
