@@ -10,7 +10,8 @@ Launch (see run.sh, which wires this through torchrun and a DeepSpeed JSON):
 
 One step: each rank takes `prompts_per_rank` prompts, samples `num_generations` completions
 each, scores them (rule-based functions or the reward model), computes old log-probs, reference
-log-probs and values without gradients, turns them into per-token rewards
+log-probs and values without gradients (old log-probs only where needs_old_logps says a pass of
+their own is needed), turns them into per-token rewards
 -kl_coef * (logp - ref_logp) (+ the score at the last completion token), GAE advantages
 (whitened over the whole batch, all ranks) and returns, then runs `ppo_epochs` passes over
 micro-batches: clipped policy loss on the actor, clipped value loss on the critic, gradient
@@ -144,7 +145,10 @@ RECIPES = {
     # SmolLM2-135M-Instruct on GSM8K word problems, as grpo.py's recipe of the same name (the same
     # model and data functions, called only when --model / --data are not given; the same
     # completions per rank), with PPO's two learning rates and micro-batches of 2 (the default 64
-    # was killed for memory in the first update).
+    # was killed for memory in the first update). On-policy and without KL, as grpo.py's (one
+    # iteration, beta 0): one epoch, kl_coef 0, so no reference model is built and the update's
+    # own forward gives the old log-probs (needs_old_logps): 9 forward equivalents per sequence
+    # against GRPO's 4, where two epochs with KL take 19 (docs/ppo.md, "Step profile").
     "smollm2-gsm8k": {
         "model": smollm2.model_dir,
         "data": smollm2.gsm8k_train_file,
@@ -158,6 +162,8 @@ RECIPES = {
         "gradient_checkpointing": True,
         "learning_rate": 1e-6,
         "critic_learning_rate": 9e-6,
+        "ppo_epochs": 1,
+        "kl_coef": 0.0,
         "temperature": 0.8,
         "max_steps": 40,
         "eval_steps": 10,
@@ -187,9 +193,10 @@ OOM_HINTS = {
 def token_rewards(logps, ref_logps, mask, scores, kl_coef):
     """Per-token reward (B, C): -kl_coef * (logp - ref_logp) at every completion token, plus the
     sequence's score at its last one. logps, ref_logps (B, C) (ref None: no KL); mask (B, C), 1 on
-    a contiguous prefix of completion tokens; scores (B,)."""
-    mask = mask.to(logps.dtype)  # (B, C)
-    kl = (logps - ref_logps) * mask if ref_logps is not None else torch.zeros_like(logps)  # (B, C)
+    a contiguous prefix of completion tokens; scores (B,). Without ref_logps, logps is unused
+    (None allowed)."""
+    mask = mask.float()  # (B, C)
+    kl = (logps - ref_logps) * mask if ref_logps is not None else torch.zeros_like(mask)  # (B, C)
     rewards = -kl_coef * kl  # (B, C)
     last = (mask.sum(1).long() - 1).clamp(min=0)  # (B,) index of the last completion token
     # (B, C)
@@ -658,10 +665,19 @@ def frozen_model(module, ds_config, stage, offload, device):
     return module.to(device).eval().requires_grad_(False)
 
 
+def needs_old_logps(args):
+    """Whether the rollout policy's log-probs need a no-grad pass of their own before the update.
+    The KL reward reads them before GAE, and after the first optimizer step (a second epoch or
+    mini-batch) the actor is no longer the policy that sampled. One epoch of one mini-batch without
+    KL is on-policy: every micro-batch's forward runs on the sampling weights, so the update's own
+    forward gives them (the ratio is 1, as in GRPO with one iteration): one actor pass fewer."""
+    return args.kl_coef > 0 or args.ppo_epochs > 1 or args.num_mini_batches > 1
+
+
 def rollout_scorers(actor, critic, ref, args, device):
-    """{name: fn(micro-batch) -> (b, c)} for rollout_forwards: the actor's old log-probs, the
-    critic's values and, with kl_coef > 0, the reference log-probs (the frozen reference, or the
-    actor itself with its LoRA adapters switched off)."""
+    """{name: fn(micro-batch) -> (b, c)} for rollout_forwards: the critic's values, the actor's
+    old log-probs where needs_old_logps and, with kl_coef > 0, the reference log-probs (the frozen
+    reference, or the actor itself with its LoRA adapters switched off)."""
 
     def logps(model, mb):
         kw = dict(chunk_size=args.logprob_chunk_size)
@@ -673,10 +689,9 @@ def rollout_scorers(actor, critic, ref, args, device):
         with actor.module.disable_adapter():
             return logps(actor.module, mb)
 
-    scorers = {
-        "old_logps": lambda mb: logps(actor.module, mb),
-        "values": lambda mb: forward_values(critic.module, mb, args.packing, device),
-    }
+    scorers = {"values": lambda mb: forward_values(critic.module, mb, args.packing, device)}
+    if needs_old_logps(args):
+        scorers["old_logps"] = lambda mb: logps(actor.module, mb)
     if args.kl_coef > 0:
         scorers["ref_logps"] = ref_logps
     return scorers
@@ -734,7 +749,7 @@ def mini_batch_normalizer(batch, group):
     return max(total, 1.0)
 
 
-def update(actor, critic, batch, args, device, times, ledger=None):
+def update(actor, critic, batch, args, device, times, ledger=None, logps_out=None):
     """The actor and critic update for one step's batch, on every rank alike; returns its metrics
     summed over ranks (UPDATE_METRICS, the same keys on every rank). In order:
 
@@ -754,6 +769,9 @@ def update(actor, critic, batch, args, device, times, ledger=None):
        sums, and "skipped" (> 0: DeepSpeed refused a non-finite optimizer step).
     With a MemoryLedger, the whole of it is its "update" phase. Seconds per model and pass are
     added to times (actor_forward, actor_backward, critic_forward, critic_backward, optimizer).
+    Without batch["old_logps"] (on-policy: needs_old_logps), each forward's own log-probs,
+    detached, are the old ones. logps_out (B, C): filled with the first epoch's log-probs
+    (detached) on the real rows, e.g. for the sampler check.
     """
     world = actor.dp_world_size
     groups = mini_batch_plans(
@@ -762,11 +780,11 @@ def update(actor, critic, batch, args, device, times, ledger=None):
     sums, n_updates = dict.fromkeys(UPDATE_METRICS, 0.0), args.ppo_epochs * len(groups)
     phase = ledger.phase if ledger else lambda name: nullcontext()
     with phase("update"):
-        for _ in range(args.ppo_epochs):
+        for epoch in range(args.ppo_epochs):
             for group in groups:
                 normalizer = mini_batch_normalizer(batch, group)
-                for i, (_, mb, weight) in enumerate(micro_batches(batch, group)):
-                    metrics = train_micro_batch(
+                for i, (idx, mb, weight) in enumerate(micro_batches(batch, group)):
+                    metrics, logps = train_micro_batch(
                         actor,
                         critic,
                         mb,
@@ -777,6 +795,8 @@ def update(actor, critic, batch, args, device, times, ledger=None):
                         device,
                         times,
                     )
+                    if weight and logps_out is not None and epoch == 0:
+                        logps_out[idx, : mb["logits_to_keep"]] = logps.float().cpu()
                     if weight:
                         metrics["policy_loss"] /= n_updates  # summed: the mean mini-batch loss
                         metrics["value_loss"] /= n_updates
@@ -793,7 +813,7 @@ def update(actor, critic, batch, args, device, times, ledger=None):
 def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, device, times):
     """One micro-batch's forward and backward through both engines, its losses scaled by `scale`
     (the world size, or 0 for a zero-weight repeat); `boundary`: the mini-batch's last, where the
-    optimizer step follows. Returns its metric sums."""
+    optimizer step follows. Returns its metric sums and the actor's log-probs (b, c), detached."""
     mask = mb["completion_mask"].to(device)  # (b, c)
     # through the engines' forward: ZeRO-3 counts micro-steps there (see grpo.py)
     actor.set_gradient_accumulation_boundary(boundary)
@@ -807,7 +827,10 @@ def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, devi
             return_entropy=True,
             chunk_size=args.logprob_chunk_size,
         )  # (b, c)
-        old_logps, advantages = mb["old_logps"].to(device), mb["advantages"].to(device)
+        # on-policy (no old_logps): this forward is the sampling policy's, the ratio is 1
+        old = mb.get("old_logps")
+        old_logps = logps.detach() if old is None else old.to(device)  # (b, c)
+        advantages = mb["advantages"].to(device)  # (b, c)
         pl, pm = policy_loss(logps, old_logps, advantages, mask, args.cliprange, normalizer)
     with timed(times, "actor_backward"):
         actor.backward(pl * scale, scale_wrt_gas=False)
@@ -819,7 +842,8 @@ def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, devi
     with timed(times, "critic_backward"):
         critic.backward(vl * scale, scale_wrt_gas=False)
     entropy = (entropy.detach() * mask).sum()
-    return {**pm, **vm, "entropy": entropy, "policy_loss": pl.detach(), "value_loss": vl.detach()}
+    losses = {"policy_loss": pl.detach(), "value_loss": vl.detach()}
+    return {**pm, **vm, "entropy": entropy, **losses}, logps.detach()
 
 
 # ---- Evaluation ----------------------------------------------------------------------------------
@@ -1003,12 +1027,10 @@ def main(argv=None):
         with ledger.phase("logprobs"):
             batch.update(rollout_forwards(scorers, batch, plan, times))
 
-        if vllm is not None:
-            sampler_gap = sampler_logp_gap(batch["old_logps"], gens)
         # 5. per-token rewards, GAE, whitened advantages ------------------------------------------
         mask = batch["completion_mask"]  # (B, C)
         rewards, kl = token_rewards(
-            batch["old_logps"], batch.get("ref_logps"), mask, scores, args.kl_coef
+            batch.get("old_logps"), batch.get("ref_logps"), mask, scores, args.kl_coef
         )  # (B, C)
         advantages, batch["returns"] = gae(
             rewards, batch["values"] * mask, mask, args.gamma, args.lam
@@ -1018,9 +1040,14 @@ def main(argv=None):
         ).cpu()  # (B, C)
 
         # 6. update: ppo_epochs x mini-batches, micro-batches with accumulation ---------------
+        # without an old log-prob pass, the update's first forward is the trainer's side of the
+        # sampler check (vLLM holds the trainer's weights), at no pass of its own
+        trainer = None if vllm is None or "old_logps" in batch else torch.zeros(mask.shape)
         t1 = time.time()
-        totals = update(engine, critic_engine, batch, args, device, times, ledger)
+        totals = update(engine, critic_engine, batch, args, device, times, ledger, trainer)
         t_update = time.time() - t1
+        if vllm is not None:  # a collective, alike on every rank
+            sampler_gap = sampler_logp_gap(batch.get("old_logps", trainer), gens)
 
         # 7. logging and saving --------------------------------------------------------------
         norms = [e.get_global_grad_norm() for e in (engine, critic_engine)]

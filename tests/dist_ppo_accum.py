@@ -3,7 +3,9 @@
 The mini-batch is 8 completions, 4 per rank. For micro-batch x accumulation = (4, 1), (1, 4),
 packed micro-batches of 2 and token-budget micro-batches (20 padded tokens), ppo.update's SGD(lr=1)
 update (with ppo.py's own Args) of the actor AND the critic must equal minus the gradient of the
-full-batch policy / value loss computed on plain models.
+full-batch policy / value loss computed on plain models. On-policy (no old log-probs in the batch),
+the actor's update must equal the one with old log-probs from the current policy, and logps_out
+must hold them.
 Usage: torchrun --nproc_per_node 2 tests/dist_ppo_accum.py MODEL_DIR
 """
 
@@ -135,6 +137,46 @@ for micro, packing, budget in ((4, False, 0), (1, False, 0), (2, True, 0), (4, F
                         f" (grad max {w.abs().max():.3g})"
                     )
         e.destroy()
+
+# on-policy (one epoch, one mini-batch): without old log-probs the update takes its own forward's,
+# so the policy gradient is the one with old = the current policy's (ratio 1), micro-batches of 1
+full["old_logps"] = base_logps
+actor, critic = models()
+mb = micro_slice(full, torch.arange(B))
+loss, _ = policy_loss(
+    forward_logps(actor, mb, 1.0, False, cpu), base_logps, mb["advantages"], cmask, 0.2, n
+)
+loss.backward()
+want_on = {k: p.grad.clone() for k, p in actor.named_parameters()}
+args = ppo_args(1, False, 0)
+engines = {}
+for name, model in zip(("actor", "critic"), models()):
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 4,
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": 3},
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+    }
+    engines[name], *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config
+    )
+with gathered(engines["actor"].module):
+    before = {k: p.detach().clone() for k, p in engines["actor"].module.named_parameters()}
+mine = slice(4 * rank, 4 * rank + 4)
+batch = {k: v[mine] for k, v in full.items() if k != "old_logps"}
+trainer = torch.zeros(4, C)  # (4, C)
+update(engines["actor"], engines["critic"], batch, args, cpu, {}, logps_out=trainer)
+if not torch.allclose(trainer * cmask[mine], base_logps[mine] * cmask[mine], atol=1e-5):
+    failures.append(f"on-policy logps_out: max err {(trainer - base_logps[mine]).abs().max():.3g}")
+with gathered(engines["actor"].module):
+    for k, p in engines["actor"].module.named_parameters():
+        got, w = before[k] - p.detach(), want_on[k]
+        if not torch.allclose(got, w, rtol=1e-4, atol=1e-6):
+            failures.append(f"on-policy actor.{k}: max err {(got - w).abs().max():.3g}")
+for e in engines.values():
+    e.destroy()
 
 if failures:
     print("\n".join(failures[:20]))

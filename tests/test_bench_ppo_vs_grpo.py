@@ -22,11 +22,15 @@ def counts(argv):
 
 
 def test_pass_counts_follow_each_sides_flags():
-    c = counts([])  # both recipes: checkpointing, PPO 2 epochs with a reference
+    c = counts([])  # both recipes: checkpointing, on-policy (PPO: no old log-prob pass), no KL
     assert c["grpo"] == {"forwards": 2, "backwards": 1, "forward_equivalents": 4}
+    assert c["ppo"] == {"forwards": 5, "backwards": 2, "forward_equivalents": 9}
+    c = counts(["--ppo_flags", "--ppo_epochs 2 --kl_coef 0.01"])  # old log-probs, reference
     assert c["ppo"] == {"forwards": 11, "backwards": 4, "forward_equivalents": 19}
-    c = counts(["--ppo_flags", "--ppo_epochs 1 --kl_coef 0", "--gradient_checkpointing", "False"])
-    assert c["ppo"] == {"forwards": 4, "backwards": 2, "forward_equivalents": 8}
+    c = counts(["--ppo_flags", "--num_mini_batches 2"])  # off-policy after the first step
+    assert c["ppo"]["forwards"] == 6
+    c = counts(["--gradient_checkpointing", "False"])
+    assert c["ppo"] == {"forwards": 3, "backwards": 2, "forward_equivalents": 7}
     assert c["grpo"]["forward_equivalents"] == 3
     c = counts(["--grpo_flags", "--beta 0.04 --num_iterations 2"])
     assert c["grpo"] == {"forwards": 6, "backwards": 2, "forward_equivalents": 10}

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from conftest import torchrun
-from ppo import gae, masked_whiten, policy_loss, token_rewards, value_loss
+from ppo import (
+    gae,
+    masked_whiten,
+    needs_old_logps,
+    parse_args,
+    policy_loss,
+    token_rewards,
+    value_loss,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -82,6 +90,18 @@ def test_token_rewards():
     # no reference
     rewards, _ = token_rewards(logps, None, mask, torch.tensor([2.0, -1.0]), kl_coef=0.1)
     torch.testing.assert_close(rewards, torch.tensor([[0.0, 0.0, 2.0], [-1.0, 0.0, 0.0]]))
+    # no reference and no old log-probs (the on-policy update computes them itself)
+    rewards, kl = token_rewards(None, None, mask, torch.tensor([2.0, -1.0]), kl_coef=0.0)
+    torch.testing.assert_close(rewards, torch.tensor([[0.0, 0.0, 2.0], [-1.0, 0.0, 0.0]]))
+    assert not kl.any()
+
+
+def test_needs_old_logps():
+    """The old log-prob pass is dropped only when the update is on-policy and no KL reads them."""
+    on_policy = ["--kl_coef", "0", "--ppo_epochs", "1", "--num_mini_batches", "1"]
+    assert not needs_old_logps(parse_args(on_policy))
+    for i, value in ((1, "0.01"), (3, "2"), (5, "2")):
+        assert needs_old_logps(parse_args(on_policy[:i] + [value] + on_policy[i + 1 :]))
 
 
 def test_masked_whiten():
@@ -162,7 +182,8 @@ def test_losses_add_up_over_micro_batches():
 def test_accumulation_equivalence_deepspeed(tiny_model):
     """Real DeepSpeed ZeRO-3 on 2 ranks: micro-batch x accumulation (4, 1), (1, 4), packed
     micro-batches of 2 and a 20-token budget give actor and critic the SGD update of the full
-    8-sequence policy / value loss gradient."""
+    8-sequence policy / value loss gradient; so does the on-policy update without old log-probs
+    (its own forward's, ratio 1), which also hands them out for the sampler check."""
     out = torchrun(os.path.join(HERE, "dist_ppo_accum.py"), tiny_model, timeout=300)
     assert "ppo accumulation equivalence OK" in out.stdout
 

@@ -27,6 +27,18 @@ def model_dir():
         pytest.skip(f"SmolLM2-135M-Instruct not fetched: {e}")
 
 
+def test_addition_file_is_seeded_and_correct(tmp_path):
+    path = smollm2.addition_file(n=50, seed=3, cache=str(tmp_path))
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 50 and smollm2.addition_file(n=50, seed=3, cache=str(tmp_path)) == path
+    for r in rows:
+        a, b = map(int, r["prompt"].removeprefix("What is ").removesuffix("?").split(" + "))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and r["answer"] == str(a + b)
+    other = smollm2.addition_file(n=50, seed=4, cache=str(tmp_path))
+    assert open(other).read() != open(path).read()
+
+
 def test_converted_model_tokenizer_template_and_stop_ids(model_dir):
     from transformers import AutoConfig, AutoTokenizer
 
@@ -102,8 +114,9 @@ def test_one_grpo_step_zero3_vllm_on_two_ranks(model_dir, sums, tmp_path):
 
 
 def test_two_ppo_steps_zero3_vllm_on_two_ranks(model_dir, sums, tmp_path):
-    """ppo.py's smollm2-gsm8k recipe: actor, critic and reference of the real model on 2 ranks,
-    vLLM generating both steps (the second after the first update's weight sync)."""
+    """ppo.py's smollm2-gsm8k recipe: actor and critic of the real model on 2 ranks (on-policy
+    without KL: no reference, old log-probs from the update's own forward, which also checks
+    vLLM's), vLLM generating both steps (the second after the first update's weight sync)."""
     run_dir = tmp_path / "run"
     conftest.run_sh(
         "ppo",
@@ -121,8 +134,6 @@ def test_two_ppo_steps_zero3_vllm_on_two_ranks(model_dir, sums, tmp_path):
         "24",
         "--micro_train_batch_size",
         "4",
-        "--ppo_epochs",
-        "1",
         "--num_eval_prompts",
         "4",
         "--eval_steps",
@@ -137,6 +148,7 @@ def test_two_ppo_steps_zero3_vllm_on_two_ranks(model_dir, sums, tmp_path):
     assert args["model"] == model_dir and args["data"] == str(sums)
     assert args["use_vllm"] and args["reward_funcs"] == "rewards:math_reward"
     assert args["critic_learning_rate"] == 9e-6 and args["micro_train_batch_size"] == 4
+    assert args["kl_coef"] == 0 and args["ppo_epochs"] == 1
     rows = conftest.train_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2], rows
     for row in rows:
