@@ -164,6 +164,17 @@ RECIPES = {
         "num_eval_prompts": 200,
     },
 }
+# The same model on two-digit additions ("What is 59 + 63?", smollm2.addition_file), where it
+# gets the learning signal GSM8K gives it almost none of: short answers, a larger LR, 15 steps.
+# ppo.py's recipe of the same name does the same work (docs/real-model.md, "PPO and GRPO").
+RECIPES["smollm2-addition"] = {
+    **RECIPES["smollm2-gsm8k"],
+    "data": smollm2.addition_file,
+    "max_completion_length": 32,
+    "per_device_train_batch_size": 8,
+    "learning_rate": 1e-5,
+    "max_steps": 15,
+}
 # phase -> the knobs that lower its peak, for the out-of-memory message (docs/troubleshooting.md,
 # "Out of memory")
 OOM_HINTS = {

@@ -170,6 +170,17 @@ RECIPES = {
         "num_eval_prompts": 200,
     },
 }
+# grpo.py's smollm2-addition for PPO: the same data, completions and steps, both LRs 1e-5
+RECIPES["smollm2-addition"] = {
+    **RECIPES["smollm2-gsm8k"],
+    "data": smollm2.addition_file,
+    "max_completion_length": 32,
+    "micro_train_batch_size": 8,
+    "learning_rate": 1e-5,
+    "critic_learning_rate": 1e-5,
+    "max_steps": 15,
+    "eval_steps": 5,
+}
 # phase -> the knobs that lower its peak, for the out-of-memory message (docs/troubleshooting.md,
 # "Out of memory")
 OOM_HINTS = {

@@ -405,3 +405,7 @@ def test_smollm2_recipe_calls_its_model_and_data_only_when_not_given(tmp_path):
     assert (
         "--model smollm2.model_dir()" in grpo.Args.__dataclass_fields__["recipe"].metadata["help"]
     )
+    args = grpo.parse_args(["--recipe", "smollm2-addition", "--model", "m", "--data", "d.jsonl"])
+    assert (args.model, args.data) == ("m", "d.jsonl") and args.max_completion_length == 32
+    assert args.micro == 8 and args.learning_rate == 1e-5 and args.max_steps == 15
+    assert args.use_vllm and args.reward_funcs == "rewards:math_reward" and args.beta == 0

@@ -257,6 +257,12 @@ def test_recipes_set_their_defaults_and_the_command_line_wins(capsys):
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
     assert "pretrained: --learning_rate 1e-06, --critic_learning_rate 9e-06" in out
     assert "smollm2-gsm8k: --model smollm2.model_dir(), --data smollm2.gsm8k_train_file()" in out
+    assert "smollm2-addition: --model smollm2.model_dir(), --data smollm2.addition_file()" in out
+    # the addition recipe is the gsm8k one with its own data, lengths, LRs and steps
+    args = ppo.parse_args(["--recipe", "smollm2-addition", "--model", "m", "--data", "d.jsonl"])
+    assert args.max_completion_length == 32 and args.micro_train_batch_size == 8
+    assert args.learning_rate == args.critic_learning_rate == 1e-5 and args.max_steps == 15
+    assert args.use_vllm and args.kl_coef == 0 and args.ppo_epochs == 1
 
 
 def test_estimate_memory_counts_a_colocated_vllm_engine(monkeypatch):
