@@ -806,9 +806,9 @@ def update(actor, critic, batch, args, device, times, ledger=None, logps_out=Non
                         device,
                         times,
                     )
-                    if weight and logps_out is not None and epoch == 0:
-                        logps_out[idx, : mb["logits_to_keep"]] = logps.float().cpu()
                     if weight:
+                        if logps_out is not None and epoch == 0:
+                            logps_out[idx, : mb["logits_to_keep"]] = logps.float().cpu()
                         metrics["policy_loss"] /= n_updates  # summed: the mean mini-batch loss
                         metrics["value_loss"] /= n_updates
                         for k, v in metrics.items():

@@ -100,11 +100,9 @@ vloss.backward()
 want = {("actor", k): p.grad.clone() for k, p in actor.named_parameters()}
 want.update({("critic", k): p.grad.clone() for k, p in critic.named_parameters()})
 
-failures = []
-# (micro-batch size, packing, token budget): a budget of 20 padded tokens makes micro-batches of
-# 1-3 length-sorted sequences (lengths 4-11), in an order of its own
-for micro, packing, budget in ((4, False, 0), (1, False, 0), (2, True, 0), (4, False, 20)):
-    args = ppo_args(micro, packing, budget)
+
+def sgd_engines(micro):
+    """{"actor", "critic"}: fresh models as ZeRO-3 engines with SGD(lr=1), 8 rows per step."""
     engines = {}
     for name, model in zip(("actor", "critic"), models()):
         config = {
@@ -118,6 +116,15 @@ for micro, packing, budget in ((4, False, 0), (1, False, 0), (2, True, 0), (4, F
         engines[name], *_ = deepspeed.initialize(
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config
         )
+    return engines
+
+
+failures = []
+# (micro-batch size, packing, token budget): a budget of 20 padded tokens makes micro-batches of
+# 1-3 length-sorted sequences (lengths 4-11), in an order of its own
+for micro, packing, budget in ((4, False, 0), (1, False, 0), (2, True, 0), (4, False, 20)):
+    args = ppo_args(micro, packing, budget)
+    engines = sgd_engines(micro)
     before = {}
     for name, e in engines.items():
         with gathered(e.module):
@@ -149,19 +156,7 @@ loss, _ = policy_loss(
 loss.backward()
 want_on = {k: p.grad.clone() for k, p in actor.named_parameters()}
 args = ppo_args(1, False, 0)
-engines = {}
-for name, model in zip(("actor", "critic"), models()):
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 4,
-        "train_batch_size": 8,
-        "zero_optimization": {"stage": 3},
-        "gradient_clipping": 0.0,
-        "zero_allow_untested_optimizer": True,
-    }
-    engines[name], *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config
-    )
+engines = sgd_engines(1)
 with gathered(engines["actor"].module):
     before = {k: p.detach().clone() for k, p in engines["actor"].module.named_parameters()}
 mine = slice(4 * rank, 4 * rank + 4)
