@@ -232,17 +232,28 @@ CALCULATOR_PROMPT = (
     "Solve the problem. To compute, write one line `calc: <expression>` (numbers, + - * / and "
     "parentheses) and stop; the result comes back. Finish with `answer: <number>`."
 )
+# One worked exchange before the problem: a small model shown the tool once calls it (SmolLM2-135M:
+# 20 of 256 sampled first turns, against 0 of 256 from the system prompt alone), which gives GRPO
+# groups with a reward to learn from.
+CALCULATOR_EXAMPLE = [
+    {"role": "user", "content": "A bag holds 23 marbles. How many marbles are in 7 bags?"},
+    {"role": "assistant", "content": "calc: 23*7"},
+    {"role": "tool", "content": "161"},
+    {"role": "assistant", "content": "answer: 161"},
+]
 _CALL = re.compile(r"calc:\s*([0-9+\-*/(). ]+)")
 
 
 class Calculator:
-    """reset: a system turn naming the tool, the problem as the user turn. step: a `calc:` line
-    gets its value back as a tool message; anything else ends the conversation."""
+    """reset: a system turn naming the tool, one worked exchange, the problem as the user turn.
+    step: a `calc:` line gets its value back as a tool message; anything else ends the
+    conversation."""
 
     def reset(self, row):
         question = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
         return [
             {"role": "system", "content": CALCULATOR_PROMPT},
+            *CALCULATOR_EXAMPLE,
             {"role": "user", "content": question},
         ]
 
