@@ -24,7 +24,8 @@ Public API
     calculator_reward(prompts, completions, answers)   1 when the last assistant turn's last
                                                 number is the answer
     problems(n, seed=0) -> rows                 its data: arithmetic word problems
-                                                (`python envs.py FILE [n]` writes them)
+    problems_file(path="", n=2000, seed=0) -> path   writes them once as JSONL (`python envs.py
+                                                FILE [n]`; grpo.py's smollm2-calculator recipe)
     EnvError                                    a failing environment; exit code 2
 
 Letters: N prompts on this rank, G completions each, B = N * G conversations, C =
@@ -33,6 +34,7 @@ max_completion_length (all turns of a conversation together).
 
 import importlib
 import json
+import os
 import random
 import re
 import sys
@@ -298,6 +300,23 @@ def problems(n, seed=0):
     return out
 
 
+def problems_file(path="", n=2000, seed=0):
+    """problems(n, seed) as JSONL rows at `path`, written once (aside, then renamed into place,
+    so ranks calling at the same time never read half a file); returns path. path "":
+    calculator-<n>-<seed>.jsonl under $LEAN_RL_CACHE (~/.cache/lean-rl, where smollm2.py keeps
+    the model)."""
+    if not path:
+        cache = os.path.join(os.path.expanduser("~"), ".cache", "lean-rl")
+        path = os.path.join(os.environ.get("LEAN_RL_CACHE", cache), f"calculator-{n}-{seed}.jsonl")
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in problems(n, seed))
+        os.replace(tmp, path)
+    return path
+
+
 def calculator_reward(prompts, completions, answers):
     """1.0 when the last assistant turn's last number equals the answer, else 0.0."""
     out = []
@@ -310,6 +329,4 @@ def calculator_reward(prompts, completions, answers):
 
 if __name__ == "__main__":  # python envs.py problems.jsonl [n]: the calculator example's data
     path, n = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 2000
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in problems(n))
-    print(f"{n} problems in {path}")
+    print(f"{n} problems in {problems_file(path, n)}")

@@ -175,6 +175,22 @@ RECIPES["smollm2-addition"] = {
     "learning_rate": 1e-5,
     "max_steps": 15,
 }
+# The same model with a calculator tool, multi-turn (envs.py; docs/envs.md, measured there:
+# held-out reward 0.010 -> 0.570 in 15 steps): arithmetic word problems, a `calc:` turn gets the
+# tool's answer, up to 3 assistant turns in 64 tokens together.
+RECIPES["smollm2-calculator"] = {
+    **RECIPES["smollm2-gsm8k"],
+    "data": envs.problems_file,
+    "env": "envs:calculator",
+    "reward_funcs": "envs:calculator_reward",
+    "max_turns": 3,
+    "max_prompt_length": 256,
+    "max_completion_length": 64,
+    "per_device_train_batch_size": 8,
+    "temperature": 1.0,
+    "max_steps": 15,
+    "num_eval_prompts": 100,
+}
 # phase -> the knobs that lower its peak, for the out-of-memory message (docs/troubleshooting.md,
 # "Out of memory")
 OOM_HINTS = {

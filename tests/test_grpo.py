@@ -1,5 +1,6 @@
 """grpo.py's pure functions against naive per-sequence loops, and accumulation equivalence."""
 
+import json
 import math
 import os
 
@@ -409,3 +410,22 @@ def test_smollm2_recipe_calls_its_model_and_data_only_when_not_given(tmp_path):
     assert (args.model, args.data) == ("m", "d.jsonl") and args.max_completion_length == 32
     assert args.micro == 8 and args.learning_rate == 1e-5 and args.max_steps == 15
     assert args.use_vllm and args.reward_funcs == "rewards:math_reward" and args.beta == 0
+
+
+def test_smollm2_calculator_recipe_writes_its_problems_once(tmp_path, monkeypatch):
+    """--recipe smollm2-calculator: the env, its reward and lengths; without --data its problems
+    are written once under $LEAN_RL_CACHE (the rows envs.problems makes) and reused."""
+    import envs
+    import grpo
+
+    monkeypatch.setenv("LEAN_RL_CACHE", str(tmp_path))
+    args = grpo.parse_args(["--recipe", "smollm2-calculator", "--model", "m"])
+    assert (args.env, args.reward_funcs) == ("envs:calculator", "envs:calculator_reward")
+    assert (args.max_turns, args.max_completion_length, args.micro) == (3, 64, 8)
+    assert args.use_vllm and args.temperature == 1.0 and args.num_eval_prompts == 100
+    assert args.data == str(tmp_path / "calculator-2000-0.jsonl")
+    with open(args.data) as f:
+        rows = [json.loads(line) for line in f]
+    assert rows == envs.problems(2000)
+    mtime = os.path.getmtime(args.data)
+    assert envs.problems_file() == args.data and os.path.getmtime(args.data) == mtime
