@@ -51,7 +51,7 @@ import torch
 from batching import encode_prompts, stop_token_ids, template_kwargs
 from data import load_data, row_name
 from memory import is_out_of_memory
-from tasks import score_completions, task_model
+from tasks import reward_functions, score_completions, task_model
 from zero3_load import checkpoint_files, local_dir
 from zero3_utils import process_rank
 
@@ -235,14 +235,17 @@ def in_range(value, rule):
     return above and (value < high if high_open else value <= high)
 
 
-def arg(default, help, range=None, why=None):
+def arg(default, help, range=None, why=None, aliases=None):
     """An Args field in one line: its default, its --help text and, for a number, the range that
-    check_ranges enforces (">= 0", "> 0", "(0, 1]", ...) with an optional reason for the message."""
+    check_ranges enforces (">= 0", "> 0", "(0, 1]", ...) with an optional reason for the message;
+    aliases: an older flag name still accepted ("--old_name")."""
     metadata = {"help": help}
     if range is not None:
         metadata["range"] = range
     if why is not None:
         metadata["why"] = why
+    if aliases is not None:
+        metadata["aliases"] = [aliases]
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -279,6 +282,9 @@ def apply_recipe(args, recipes, argv=None):
         raise RunError(f"--recipe {args.recipe}: choose one of {', '.join(recipes)}")
     argv = sys.argv[1:] if argv is None else argv
     given = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
+    for f in dataclasses.fields(args):  # an old name given is its field given
+        if given & {a[2:] for a in f.metadata.get("aliases", ())}:
+            given.add(f.name)
     for name, value in recipes[args.recipe].items():
         if name not in given:
             setattr(args, name, value() if callable(value) else value)
@@ -286,20 +292,19 @@ def apply_recipe(args, recipes, argv=None):
 
 
 # ---- Pre-flight: inputs, before any model is loaded or any step is taken -------------------------
-def check_inputs(args, rank):
+def check_inputs(args, rank, reward_model="", env=""):
     """The inputs both loops share, checked in order: the DeepSpeed JSON's shape (what this project
-    supports), data (each row, conversations included), training rows left, answers for the
-    rewards that read them, the model (the built-in task's is built here by rank 0) and its
-    weights, its tokenizer (eos and pad tokens), the chat template on every prompt, prompt lengths
-    (one warning), the reward functions on real prompts (args.funcs).
-    Needs args.ds_config, data, data_split, data_config, prompt_field, answer_field,
-    num_eval_prompts, seed, run_dir, model, pad_token, chat_template_kwargs, max_prompt_length,
-    funcs, weights; sets args.template_kwargs (the parsed JSON) and args.stop_ids
-    (batching.stop_token_ids). Returns (train_rows, eval_rows, model_path, model config,
-    tokenizer)."""
+    supports), data (each row, conversations included), training rows left, the reward functions
+    (or, with a reward_model path, that model: one label, the policy's tokenizer) and the answers
+    they read, the model (the built-in task's is built here by rank 0) and its weights, its
+    tokenizer (eos and pad tokens), the chat template on every prompt, prompt lengths (one
+    warning), the reward functions on real prompts (as conversations with an `env`, grpo.py's
+    multi-turn rollouts). Reads args, writes nothing on it. Returns {train_rows, eval_rows,
+    model_path, config, tokenizer, stop_ids (batching.stop_token_ids), template_kwargs (the
+    parsed JSON), funcs, weights}."""
     read_ds_json(args.ds_config)
     try:
-        args.template_kwargs = template_kwargs(args.chat_template_kwargs)
+        kwargs = template_kwargs(args.chat_template_kwargs)
         train_rows, eval_rows = load_data(
             args.data,
             args.num_eval_prompts,
@@ -309,20 +314,27 @@ def check_inputs(args, rank):
             args.answer_field,
             args.data_config,
         )
+        funcs, weights = (
+            ([], [])
+            if reward_model
+            else reward_functions(args.reward_funcs, args.reward_weights, args.data)
+        )
     except ValueError as e:
         raise RunError(str(e)) from None
     check_rows(train_rows, eval_rows, args.data or "the built-in task")
-    check_answers(args.funcs, train_rows + eval_rows, args.data)
+    check_answers(funcs, train_rows + eval_rows, args.data)
     # no --model: a tiny one from scratch
     model_path = task_model(args.model, args.run_dir, rank, args.seed)
     config = check_model_path(model_path)
     tokenizer = load_tokenizer(model_path, args.pad_token)
-    args.stop_ids = stop_token_ids(tokenizer, model_path)
-    lengths = check_templates(tokenizer, train_rows[:20000] + eval_rows, args, model_path)
+    if reward_model:
+        check_reward_model(reward_model, tokenizer, args.pad_token)
+    stop_ids = stop_token_ids(tokenizer, model_path)
+    lengths = check_templates(tokenizer, train_rows[:20000] + eval_rows, args, model_path, kwargs)
     warning = long_prompt_warning(lengths, args.max_prompt_length)
     if warning and rank == 0:
         print(warning, file=sys.stderr)
-    if args.funcs:
+    if funcs:
         # the first prompts, and the first row with no answer (a function may fail on answer None)
         rest = train_rows[2:] + eval_rows
         probe = train_rows[:2] + [r for r in rest if r.get("answer") is None][:1]
@@ -330,27 +342,48 @@ def check_inputs(args, rank):
         if any(r.get("answer") is None for r in probe):
             where = answerless_row(args.data, train_rows + eval_rows)
             hint = f'; {where} has no "answer" field (the functions get None)'
-        conversational = bool(getattr(args, "env", ""))  # grpo's --env: messages after the prompt
 
         def score(rows, completions, g):
-            if conversational:
+            if env:  # multi-turn: the rewards get each completion as messages after the prompt
                 completions = [[{"role": "assistant", "content": c}] for c in completions]
-            return score_completions(args.funcs, args.weights, rows, completions, g)
+            return score_completions(funcs, weights, rows, completions, g)
 
         probe_rewards(score, probe, hint=hint)
-    return train_rows, eval_rows, model_path, config, tokenizer
+    return dict(
+        train_rows=train_rows,
+        eval_rows=eval_rows,
+        model_path=model_path,
+        config=config,
+        tokenizer=tokenizer,
+        stop_ids=stop_ids,
+        template_kwargs=kwargs,
+        funcs=funcs,
+        weights=weights,
+    )
 
 
-def check_templates(tokenizer, rows, args, model_path):
+def check_reward_model(path, tokenizer, pad_token):
+    """A sequence-classification reward model with one label and the policy's tokenizer (token
+    ids are passed to it as they are)."""
+    check_sequence_classifier(check_model_path(path, "--reward_model"), path)
+    rm_tokenizer = load_tokenizer(path, pad_token, need_eos=False)
+    if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise RunError(
+            f"--reward_model {path} has another tokenizer than the actor; this loop passes token "
+            "ids as they are: use a reward model trained on the actor's tokenizer"
+        )
+
+
+def check_templates(tokenizer, rows, args, model_path, kwargs):
     """Every prompt through encode_prompts (chat template, --chat_template_kwargs); returns their
     lengths in tokens. A conversation without a chat template, or a template that fails on a row,
     is a RunError naming the row."""
     try:
-        return [len(p) for p in encode_prompts(tokenizer, rows, 10**9, args.template_kwargs)]
+        return [len(p) for p in encode_prompts(tokenizer, rows, 10**9, kwargs)]
     except Exception:  # jinja's TemplateError, a TypeError from a kwarg: find the row, say which
         for r in rows:
             try:
-                encode_prompts(tokenizer, [r], 10**9, args.template_kwargs)
+                encode_prompts(tokenizer, [r], 10**9, kwargs)
             except Exception as e:  # the template's own error, as it words it
                 where = f"--data {args.data} {row_name(args.data, r.get('index', 0))}"
                 if not tokenizer.chat_template:

@@ -3,11 +3,18 @@ memory knobs under `--memory_budget_gb`, and the between-step adapter that moves
 never change the update from the ledger's measured peaks. Shared by grpo.py and ppo.py.
 
     from fit import KnobAdapter, estimate_run_memory, fit_to_budget
-    estimate_run_memory(args, "grpo")            # --estimate_memory: the per-phase table
-    fit_to_budget(args, "grpo", world, say)      # pre-flight: knobs set on args, or exit 2
-    adapter = KnobAdapter(args, "grpo")          # after each step, on every rank:
+    models = {"reference": True}                 # what the loop builds beside the policy
+    estimate_run_memory(args, models)            # --estimate_memory: the per-phase table
+    knobs, phases = fit_to_budget(args, world, models, say)  # pre-flight: Knobs, or exit 2
+    adapter = KnobAdapter(args, knobs)           # after each step, on every rank:
     for row in adapter.after_step(ledger.step, step + 1):  # a collective: ranks agree
         log.record(row)                          # fit/knob, fit/from, fit/to, fit/reason
+
+`args` is never written: the knobs in effect are a `Knobs` (the flags' names and values, as given
+or as fitted), which the loops read wherever memory is at stake. `models` says what the loop
+builds beside the policy: "reference" (a frozen copy of the policy), "critic" (a trained value
+model), "reward_model" (a path), and "phases" (the loop's ledger phases as groups of the
+estimate's, when they differ from the estimate's own names).
 
 The pre-flight walks a ladder of knob changes in an order of cost taken from the measured
 tables (docs/memory.md, "Fit to a budget"), cheapest first, and takes the first change that lowers
@@ -26,6 +33,7 @@ needs the run's arguments; memory.py stays a pure estimate that checks.py import
 """
 
 import os
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -37,11 +45,9 @@ from tasks import TASK_CHARS
 from tiny_models import llama_config
 from zero3_utils import all_max, comm_device
 
-# the loops' names for the same knob
-MICRO = {"grpo": "per_device_train_batch_size", "ppo": "micro_train_batch_size"}
-FROZEN_OFFLOAD = {"grpo": "ref_offload", "ppo": "frozen_offload"}
-# the ledger's phases that micro-batches and the log-prob tile drive, per loop
-MICRO_PHASES = {"grpo": ("old_logprobs", "ref_logprobs", "update"), "ppo": ("logprobs", "update")}
+# the ledger's phases that micro-batches and the log-prob tile drive (the loops' names; a phase a
+# loop does not have peaks at 0)
+DRIVEN_PHASES = ("old_logprobs", "ref_logprobs", "logprobs", "update")
 # a colocated vLLM 0.32 CPU engine's resident set beyond its KV cache and weights: measured on
 # SmolLM2-135M-Instruct (docs/real-model.md), a rank's RSS rose 3.6 GB from before the engine to
 # the end of its first rollout, with a 1 GB KV cache and 0.54 GB of fp32 weights
@@ -49,6 +55,30 @@ VLLM_CPU_RUNTIME = int(2.0 * 2**30)
 HIGH_WATER = 0.9  # a phase above this share of the budget lowers its knob for the next step
 LOW_WATER = 0.5  # every driven phase below this share raises it (up to the fastest setting)
 MIN_TILE = 256  # tokens per log-prob tile: below it the tile's matmuls run far from peak speed
+
+
+@dataclass
+class Knobs:
+    """The memory knobs in effect, named as their flags: as given (Knobs.given), or as the
+    pre-flight fitted them and the adapter moves them between steps. The micro-batch size is at
+    most the batch (a larger one is the whole batch)."""
+
+    per_device_train_batch_size: int
+    max_tokens_per_microbatch: int
+    logprob_chunk_size: int
+    gradient_checkpointing: bool
+    frozen_offload: bool
+    generation_batch_size: int
+    gather_for_generation: bool
+    generation_resident_gb: float
+    memory_budget_gb: float
+
+    @classmethod
+    def given(cls, args):
+        knobs = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        batch = args.prompts_per_rank * args.num_generations
+        knobs.per_device_train_batch_size = min(knobs.per_device_train_batch_size, batch)
+        return knobs
 
 
 # ---- The estimate for a loop's arguments ------------------------------------------------------
@@ -72,8 +102,10 @@ def _config_for(path, flag):
     return config
 
 
-def estimate_kwargs(args, loop, world):
-    """memory.estimate_memory's keyword arguments for these args (no weights loaded)."""
+def estimate_kwargs(args, world, models, knobs=None):
+    """memory.estimate_memory's keyword arguments for these args, the knobs in effect (default: as
+    given) and the loop's `models` (no weights loaded)."""
+    knobs = knobs or Knobs.given(args)
     if not args.model:  # the built-in task's tiny model (tasks.task_model)
         config = llama_config(len(TASK_CHARS) + 4, hidden_size=128, num_layers=2).to_dict()
     else:
@@ -81,7 +113,8 @@ def estimate_kwargs(args, loop, world):
     ds = read_ds_json(args.ds_config)  # readable, an object, a supported ZeRO set-up
     zero, cuda = ds.get("zero_optimization", {}), torch.cuda.is_available()
     S = args.max_prompt_length + args.max_completion_length
-    micro = min(getattr(args, MICRO[loop]), args.batch_size)
+    rm = models.get("reward_model")
+    rm = _config_for(rm, "--reward_model") if rm else None
     kw = dict(
         model_config=config,
         device_gb=torch.cuda.get_device_properties(0).total_memory / GB if cuda else 80.0,
@@ -90,42 +123,36 @@ def estimate_kwargs(args, loop, world):
         offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") != "none",
         offload_params=zero.get("offload_param", {}).get("device", "none") != "none",
         dtype="bf16" if training_dtype(args.dtype) == torch.bfloat16 else "fp32",
-        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing=knobs.gradient_checkpointing,
         seq_len=S,
         completion_len=args.max_completion_length,
-        micro_batch_size=max(1, args.max_tokens_per_microbatch // S)
-        if args.max_tokens_per_microbatch
-        else micro,
+        micro_batch_size=max(1, knobs.max_tokens_per_microbatch // S)
+        if knobs.max_tokens_per_microbatch
+        else knobs.per_device_train_batch_size,
         num_generations=args.num_generations,
         prompts_per_rank=args.prompts_per_rank,
-        gather_for_generation=args.gather_for_generation,
-        generation_resident_bytes=int(args.generation_resident_gb * GB),
-        generation_batch_size=args.generation_batch_size,
-        ref_offload=getattr(args, FROZEN_OFFLOAD[loop]),
-        logprob_chunk=(args.logprob_chunk_size or DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE),
+        gather_for_generation=knobs.gather_for_generation,
+        generation_resident_bytes=int(knobs.generation_resident_gb * GB),
+        generation_batch_size=knobs.generation_batch_size,
+        ref_offload=knobs.frozen_offload,
+        logprob_chunk=(knobs.logprob_chunk_size or DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE),
         fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False),
-        loop=loop,
+        reference_model=bool(models.get("reference")),
+        critic_config=(rm or config) if models.get("critic") else None,
+        reward_config=rm,
+        phase_groups=models.get("phases"),
     )
     # a vLLM server (--vllm_mode server) runs on devices of its own: nothing on the trainer's
     colocated = args.use_vllm and args.vllm_mode == "colocate"
     kw.update(use_vllm=colocated, gpu_memory_utilization=args.vllm_gpu_memory_utilization)
     if colocated and not cuda:
         kw["vllm_bytes"] = vllm_cpu_bytes(config)
-    if loop == "grpo":
-        kw.update(reference_model=args.beta > 0)
-    else:  # the critic: the reward model's body when there is one, else the actor's
-        rm = _config_for(args.reward_model, "--reward_model") if args.reward_model else None
-        kw.update(
-            reference_model=args.kl_coef > 0 and not args.lora_r,
-            critic_config=rm or config,
-            reward_config=rm,
-        )
     return kw
 
 
-def estimate_run_memory(args, loop):
+def estimate_run_memory(args, models):
     """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args."""
-    kw = estimate_kwargs(args, loop, int(os.environ.get("WORLD_SIZE", 1)))
+    kw = estimate_kwargs(args, int(os.environ.get("WORLD_SIZE", 1)), models)
     return print_estimate(kw.pop("model_config"), kw.pop("device_gb"), **kw)
 
 
@@ -168,15 +195,15 @@ def _runtime_bytes():
     return all_max(rss)
 
 
-def _ladder(args, loop, kw):
+def _ladder(args, knobs, kw):
     """The single changes to try, cheapest first (docs/memory.md, "Fit to a budget", says where each
-    cost was measured): [(label, {arg: value}, {estimate kwarg: value})]; a knob at its limit is
+    cost was measured): [(label, {knob: value}, {estimate kwarg: value})]; a knob at its limit is
     left out."""
     out = []
     stage3 = kw["zero_stage"] == 3
     has_frozen = kw["reference_model"] or kw.get("reward_config") is not None
     if stage3 and has_frozen and not kw["ref_offload"]:
-        out.append(("frozen shards on CPU", {FROZEN_OFFLOAD[loop]: True}, {"ref_offload": True}))
+        out.append(("frozen shards on CPU", {"frozen_offload": True}, {"ref_offload": True}))
     tile = kw["logprob_chunk"][0]
     if tile > MIN_TILE:
         t = max(MIN_TILE, tile // 2)
@@ -187,8 +214,8 @@ def _ladder(args, loop, kw):
                 {"logprob_chunk": (t, kw["logprob_chunk"][1])},
             )
         )
-    gen = min(args.generation_batch_size, args.batch_size)
-    if not getattr(args, "use_vllm", False) and gen > 1:
+    gen = min(knobs.generation_batch_size, args.prompts_per_rank * args.num_generations)
+    if not args.use_vllm and gen > 1:
         out.append(
             (
                 "generation batch",
@@ -197,14 +224,14 @@ def _ladder(args, loop, kw):
             )
         )
     S = kw["seq_len"]
-    if args.max_tokens_per_microbatch > S:
-        t = max(S, args.max_tokens_per_microbatch // 2)
+    if knobs.max_tokens_per_microbatch > S:
+        t = max(S, knobs.max_tokens_per_microbatch // 2)
         out.append(
             ("token budget", {"max_tokens_per_microbatch": t}, {"micro_batch_size": max(1, t // S)})
         )
-    elif not args.max_tokens_per_microbatch and kw["micro_batch_size"] > 1:
+    elif not knobs.max_tokens_per_microbatch and kw["micro_batch_size"] > 1:
         m = kw["micro_batch_size"] // 2
-        out.append(("micro-batch", {MICRO[loop]: m}, {"micro_batch_size": m}))
+        out.append(("micro-batch", {"per_device_train_batch_size": m}, {"micro_batch_size": m}))
     if not kw["gradient_checkpointing"]:
         out.append(
             (
@@ -213,7 +240,7 @@ def _ladder(args, loop, kw):
                 {"gradient_checkpointing": True},
             )
         )
-    if stage3 and not getattr(args, "use_vllm", False):
+    if stage3 and not args.use_vllm:
         full = model_shape(kw["model_config"])["N"] * (2 if kw["dtype"] == "bf16" else 4)
         if kw["gather_for_generation"]:  # middle mode: half the model kept gathered
             half = full / 2 / GB
@@ -235,24 +262,25 @@ def _ladder(args, loop, kw):
     return out
 
 
-def fit_to_budget(args, loop, world, say=print):
-    """With --memory_budget_gb: set the memory knobs on `args` so that the estimate (plus, on CPU,
+def fit_to_budget(args, world, models, say=print):
+    """Returns (Knobs, the estimate's phases or None). With --memory_budget_gb: the memory knobs
+    set so that the estimate (plus, on CPU,
     the runtime) puts every phase under HIGH_WATER x the budget at the least cost; print them and
     the estimate per phase. Nothing fits: a RunError (exit 2) with the closest configuration and
-    its shortfall. Knobs already under the budget stay as given. Returns the estimate's phases.
+    its shortfall. Knobs already under the budget stay as given.
     Without it, the estimate is set against what the machine has (machine_share): a run whose
     highest phase is over it gets that as its budget, so the knobs are fitted as above (or the
     run stops with exit 2), before a rank is killed for memory mid-step."""
-    runtime = _runtime_bytes()
+    runtime, knobs = _runtime_bytes(), Knobs.given(args)
     auto = ""
-    if not args.memory_budget_gb:
+    if not knobs.memory_budget_gb:
         share = machine_share()
         try:
-            need = max(estimate_memory(**estimate_kwargs(args, loop, world))["phases"].values())
+            need = max(estimate_memory(**estimate_kwargs(args, world, models))["phases"].values())
         except RunError:  # a model the estimate cannot size: run as given (the flag would stop)
-            return None
+            return knobs, None
         if share is None or need + runtime <= share:
-            return None
+            return knobs, None
         need += runtime
         where = "free on the GPU" if torch.cuda.is_available() else "available to each rank"
         auto = (
@@ -260,15 +288,16 @@ def fit_to_budget(args, loop, world, say=print):
             f"{share / GB:.2f} GB {where} (MemAvailable / ranks on CPU)"
         )
         say(f"memory: {auto}: fitting the knobs as --memory_budget_gb {share / GB:.2f} does")
-        args.memory_budget_gb = round(share / GB, 2)
+        knobs.memory_budget_gb = round(share / GB, 2)
     try:
-        return _fit(args, loop, world, runtime, say)
+        return knobs, _fit(args, knobs, world, models, runtime, say)
     except RunError as e:
         raise RunError(f"{auto}; {e}" if auto else str(e)) from None
 
 
-def _fit(args, loop, world, runtime, say):
-    kw, target = estimate_kwargs(args, loop, world), HIGH_WATER * args.memory_budget_gb * GB
+def _fit(args, knobs, world, models, runtime, say):
+    budget = knobs.memory_budget_gb
+    kw, target = estimate_kwargs(args, world, models, knobs), HIGH_WATER * budget * GB
 
     def top(k):
         phases = estimate_memory(**k)["phases"]
@@ -278,21 +307,21 @@ def _fit(args, loop, world, runtime, say):
     given, why = {}, {}  # knob -> its value as given, the ladder step that moved it
 
     def changed():
-        return [f"{k} {v} -> {getattr(args, k)} ({why[k]})" for k, v in given.items()]
+        return [f"{k} {v} -> {getattr(knobs, k)} ({why[k]})" for k, v in given.items()]
 
     while now > target:
-        for label, arg_change, kw_change in _ladder(args, loop, kw):
+        for label, knob_change, kw_change in _ladder(args, knobs, kw):
             tried, tried_phases = top({**kw, **kw_change})
             if tried < now:
-                for name, value in arg_change.items():
-                    given.setdefault(name, getattr(args, name))
+                for name, value in knob_change.items():
+                    given.setdefault(name, getattr(knobs, name))
                     why[name] = label
-                    setattr(args, name, value)
+                    setattr(knobs, name, value)
                 kw, now, phases = {**kw, **kw_change}, tried, tried_phases
                 break
         else:  # no single change lowers the highest phase any more
             raise RunError(
-                f"--memory_budget_gb {args.memory_budget_gb}: nothing fits. Closest: "
+                f"--memory_budget_gb {budget}: nothing fits. Closest: "
                 + (", ".join(changed()) or "the knobs as given")
                 + f"; highest phase {max(phases, key=phases.get)} at {now / GB:.2f} GB, "
                 f"{(now - target) / GB:.2f} GB over {HIGH_WATER:.0%} of the budget "
@@ -300,15 +329,14 @@ def _fit(args, loop, world, runtime, say):
                 + "Raise the budget, use ZeRO-3 with optimizer offload "
                 "(configs/zero3_offload.json), more ranks, or shorter sequences."
             )
-    args.micro = min(getattr(args, MICRO[loop]), args.batch_size)  # the loops' derived value
     est = estimate_memory(**kw)
     say(
-        f"memory budget {args.memory_budget_gb} GB (phases fitted under {HIGH_WATER:.0%}"
+        f"memory budget {budget} GB (phases fitted under {HIGH_WATER:.0%}"
         + (f", incl. {runtime / GB:.2f} GB runtime RSS" if runtime else "")
         + "): "
         + ("; ".join(changed()) if given else "the knobs as given fit")
     )
-    say(format_table(est, args.memory_budget_gb))
+    say(format_table(est, budget))
     if runtime and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         say(
             "note: on CPU glibc keeps freed blocks in the resident set; with "
@@ -325,24 +353,26 @@ class KnobAdapter:
     micro-batch) up to the fastest setting, never back to a value that crossed the mark. Ranks
     agree: the peaks are the maximum over ranks (one all-reduce), the rule is deterministic."""
 
-    def __init__(self, args, loop):
-        self.args, self.loop = args, loop
-        self.budget = args.memory_budget_gb * GB
-        self.tokens = args.max_tokens_per_microbatch > 0  # the budget knob, else the count
-        S = args.max_prompt_length + args.max_completion_length
-        self.micro_name = "max_tokens_per_microbatch" if self.tokens else MICRO[loop]
-        self.micro_range = (S, args.batch_size * S) if self.tokens else (1, args.batch_size)
-        self.tile_range = (MIN_TILE, max(DEFAULT_CHUNK_SIZE, args.logprob_chunk_size))
+    def __init__(self, args, knobs):
+        self.knobs = knobs  # moved here, for the next step
+        self.budget = knobs.memory_budget_gb * GB
+        self.tokens = knobs.max_tokens_per_microbatch > 0  # the budget knob, else the count
+        S, batch = args.max_prompt_length + args.max_completion_length, args.prompts_per_rank
+        batch *= args.num_generations
+        self.micro_name = (
+            "max_tokens_per_microbatch" if self.tokens else "per_device_train_batch_size"
+        )
+        self.micro_range = (S, batch * S) if self.tokens else (1, batch)
+        self.tile_range = (MIN_TILE, max(DEFAULT_CHUNK_SIZE, knobs.logprob_chunk_size))
         self.ceiling = {}  # knob -> the lowest value that crossed the high-water mark
 
     def _get(self, name):
-        v = getattr(self.args, name)
+        v = getattr(self.knobs, name)
         return (v or DEFAULT_CHUNK_SIZE) if name == "logprob_chunk_size" else v
 
     def _set(self, name, value, reason, step):
         old = self._get(name)
-        setattr(self.args, name, value)
-        self.args.micro = min(getattr(self.args, MICRO[self.loop]), self.args.batch_size)
+        setattr(self.knobs, name, value)
         return {
             "step": step,
             "fit/knob": name,
@@ -360,7 +390,7 @@ class KnobAdapter:
         run and their low peaks say nothing about spare memory: no change."""
         if not self.budget or not updated:
             return []
-        names = MICRO_PHASES[self.loop]
+        names = DRIVEN_PHASES
         peaks = torch.tensor([float(step_peaks.get(p, 0)) for p in names], dtype=torch.float64)
         if dist.is_initialized():
             peaks = peaks.to(comm_device())

@@ -348,18 +348,19 @@ def estimate_memory(
     generation_resident_bytes=0,
     critic_config=None,
     reward_config=None,
-    loop="grpo",
+    phase_groups=None,
 ):
     """Predicted peak bytes per GPU for each phase of the loop, and the pieces they are made of.
 
     seq_len S: prompt + completion tokens per sequence (padded length); completion_len C;
     micro_batch_size m in sequences; logprob_chunk (tokens, vocab entries) of fused_logps' tile.
     generation_resident_bytes: ZeRO-3 sharded generation's middle mode (layers kept gathered).
-    PPO (loop="ppo"): critic_config, a trained critic (its body: the config's model without the
-    lm_head; params, grads and Adam states like the actor's); reward_config, a frozen reward
-    model (sharded like the reference, on CPU with ref_offload = --frozen_offload); phases are
-    ppo.py's ledger's: rollout, logprobs (old, reference, values, rewards), update (with the
-    optimizer steps).
+    critic_config: a trained critic (its body: the config's model without the lm_head; params,
+    grads and Adam states like the policy's); reward_config: a frozen reward model (sharded like
+    the reference under ZeRO-3, on CPU with ref_offload = --frozen_offload; resident otherwise).
+    phase_groups {phase: (estimate phases...)}: a loop whose ledger names its phases otherwise
+    (ppo.py: one "logprobs" phase for old, reference, values and rewards; the optimizer steps
+    inside "update") gets each of its phases as the largest of its group.
     Returns {"phases": {phase: bytes}, "pieces": {piece: bytes}, "cpu": offloaded bytes per rank,
     "highest": phase, "params": N}.
     """
@@ -384,7 +385,9 @@ def estimate_memory(
     p["grads"] = bucket if offload_optimizer else N * b // (W if zero_stage >= 2 else 1)
     opt = (12 if mixed else 8) * N // (W if zero_stage >= 1 else 1)
     p["optimizer"] = 0 if offload_optimizer else opt
-    p["reference"] = 0 if not reference_model or ref_offload else N * b // W
+    # frozen models: sharded under ZeRO-3, resident otherwise (harness.Run.frozen)
+    frozen_n = N if reference_model and not ref_offload else 0
+    p["reference"] = frozen_n * b // (W if zero_stage == 3 else 1)
     critic_n = 0
     if critic_config is not None:  # the body without the lm_head, plus a (H, 1) value head
         c = model_shape(critic_config)
@@ -456,11 +459,11 @@ def estimate_memory(
         + (bucket if zero_stage >= 2 else 0)
     )
     phases["optimizer_step"] = resident + v_train + p["fp32_grad_partition"] + p["adam_temporaries"]
-    if loop == "ppo":  # ppo.py's ledger: one scoring phase, the optimizer steps inside the update
+    if phase_groups:  # the loop's ledger's phases (those of the estimate it has)
         phases = {
-            "rollout": phases["rollout"],
-            "logprobs": phases["old_logprobs"],
-            "update": max(phases["update"], phases["optimizer_step"]),
+            name: max(phases[g] for g in group if g in phases)
+            for name, group in phase_groups.items()
+            if any(g in phases for g in group)
         }
     # states + fp32 grads
     cpu = (opt if offload_optimizer else 0) + (4 * N // W if offload_optimizer else 0)

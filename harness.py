@@ -1,0 +1,632 @@
+"""The run both loops share, called by the loop and never calling it: the fields both `Args` have,
+parsing with recipes, the pre-flight, the DeepSpeed config, models and engines, the generation
+glue, held-out evaluation given a sampling function, and `Run`, this rank's run state.
+
+    args = parse(Args, RECIPES, argv)                  # the configuration as given
+    run = Run(args, memory_models(args))               # process group, pre-flight, run dir
+    policy = run.train_engine(run.load(), args.learning_rate)
+    vllm = run.vllm_engine()                           # or None without --use_vllm
+    run.start(__file__, {"policy": policy}, vllm, eval_sample)  # resume, log, ledger, signals
+    for step in run.steps():                           # each step's seed and clock
+        ...rollout, log-probs, advantages, update: the loop's own...
+        run.end_step(row, loss=..., grad_norm=..., line=...)   # log, adapt, evaluate, save or stop
+    run.finish(panels)                                 # held-out score, memory, final model
+
+`Run` owns no step order (no train(), no hooks): the loop's body is the algorithm. Derived state
+lives here, never on `args`: `run.stop_ids`, `run.template_kwargs`, `run.funcs` / `run.weights`
+(the reward functions), and `run.knobs`, the memory knobs in effect (fit.Knobs: as given, or as
+--memory_budget_gb fitted them before the first step and moves them between steps).
+The pre-flight is one pass: every input checked, then the memory estimate and the fit, then the
+DeepSpeed config and the resume check. run.sh runs it in one process first (`--preflight True`).
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from batching import all_sum, encode_prompts, init_distributed
+from checkpoint import (
+    StopOnSignal,
+    Stopped,
+    check_new_run,
+    check_resume,
+    clear_run,
+    latest_checkpoint,
+    load_checkpoint,
+    run_config,
+    save_checkpoint,
+)
+from checks import (
+    RunError,
+    StepGuard,
+    apply_recipe,
+    arg,
+    check_attn_implementation,
+    check_ds_config,
+    check_global_batch,
+    check_inputs,
+    check_partitioned_loading,
+    check_vllm,
+    parse_args_quietly,
+    training_dtype,
+)
+from fit import KnobAdapter, estimate_run_memory, fit_to_budget
+from generation import attn_implementation_for, generate_hf, unwrap_for_generation
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
+from memory import MemoryLedger
+from runlog import RunLog
+from tasks import score_completions
+from vllm_server import vllm_generator
+from zero3_load import enable_gradient_checkpointing, load_model
+from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
+
+# Knobs that change memory, not the update (micro-batching never changes it: docs/accumulation.md),
+# so a run that ran out of memory can be resumed with one of them turned.
+MEMORY_KNOBS = (
+    "per_device_train_batch_size",
+    "max_tokens_per_microbatch",
+    "logprob_chunk_size",
+    "gradient_checkpointing",
+    "generation_batch_size",
+    "gather_for_generation",
+    "generation_resident_gb",
+    "vllm_batch_size",
+    "vllm_gpu_memory_utilization",
+    "vllm_mode",
+    "vllm_server_url",
+    "frozen_offload",
+    "partitioned_loading",
+    "max_bad_steps",
+    "memory_budget_gb",
+)
+_MICRO = "lower --per_device_train_batch_size or set --max_tokens_per_microbatch"
+# the ledger's phases (both loops') -> the knobs that lower its peak, for the out-of-memory message
+# (docs/troubleshooting.md, "Out of memory")
+OOM_HINTS = {
+    "weight_sync": "lower --vllm_gpu_memory_utilization (vLLM's pool shares the GPU with the "
+    "gathered weights), or --vllm_mode server (vLLM on devices of its own)",
+    "rollout": "HF generation: lower --generation_batch_size, or --gather_for_generation False "
+    "(layer by layer; --generation_resident_gb between the two); vLLM: lower --vllm_batch_size "
+    "or --vllm_gpu_memory_utilization; or a shorter --max_completion_length",
+    "old_logprobs": f"{_MICRO}; lower --logprob_chunk_size (tokens per log-prob tile); "
+    "--packing True",
+    "ref_logprobs": f"{_MICRO}; --frozen_offload True keeps the reference model's shards in CPU "
+    "memory",
+    "logprobs": f"{_MICRO}; lower --logprob_chunk_size; --frozen_offload True keeps the reference "
+    "and reward shards in CPU memory; --packing True",
+    "update": f"--gradient_checkpointing True, {_MICRO}, lower --logprob_chunk_size, --packing "
+    "True; for the optimizer states: configs/zero3_offload.json, --lora_r 16",
+    "optimizer_step": "offload the optimizer states (configs/zero3_offload.json) or use more GPUs "
+    "(ZeRO shards them)",
+}
+
+
+# ---- The fields both loops have (each loop's Args extends this) --------------------------------
+@dataclass
+class RunArgs:
+    model: str = arg("", "the policy's hub id or path; empty: a tiny model from scratch")
+    recipe: str = arg("", "a named set of defaults (the loop's RECIPES); flags given win")
+    data: str = arg(
+        "",
+        "a JSONL, JSON, CSV or parquet file, a directory saved by datasets, or a hub id (datasets."
+        "load_dataset); empty: the largest-digit task",
+    )
+    data_split: str = arg("train", "--data's split (a single file is 'train'; 'train[:1000]' too)")
+    data_config: str = arg("", "--data's subset (config name) on the hub, e.g. gsm8k's main")
+    prompt_field: str = arg(
+        "prompt", "--data's prompt field: a string, or a list of {role, content} messages"
+    )
+    answer_field: str = arg(
+        "answer", "--data's answer field, passed to the rewards (None if absent)"
+    )
+    chat_template_kwargs: str = arg(
+        "", 'a JSON object of chat template arguments, e.g. {"enable_thinking": false}'
+    )
+    reward_funcs: str = arg(
+        "",
+        "module:function,... each (prompts, completions, answers) -> list[float]; empty: the "
+        "task's own",
+    )
+    reward_weights: str = arg("", "one weight per reward; empty: 0.25,0.75 (task) or 1s")
+    run_dir: str = arg("runs/grpo", "metrics.jsonl, args, checkpoints, final model")
+    ds_config: str = arg("configs/zero3.json", 'DeepSpeed JSON, "auto" from these args')
+    seed: int = arg(0, "data order, sampling and (default task) model init", ">= 0")
+    # rollout
+    prompts_per_rank: int = arg(16, "prompts per rank per step, G completions each", ">= 1")
+    num_generations: int = arg(8, "G: completions per prompt", ">= 1")
+    max_prompt_length: int = arg(512, "prompt tokens kept (from the left end)", ">= 1")
+    max_completion_length: int = arg(2, "C: new tokens per completion", ">= 1")
+    temperature: float = arg(1.0, "sampling temperature (log-probs use it too)", "> 0")
+    top_p: float = arg(1.0, "nucleus sampling", "(0, 1]")
+    use_vllm: bool = arg(False, "generate with vLLM (--vllm_mode: colocated, or a server)")
+    vllm_mode: str = arg(
+        "colocate",
+        "colocate: a vLLM engine per rank (or TP group); server: one vLLM server (run.sh "
+        "VLLM_DEVICES=...)",
+    )
+    vllm_server_url: str = arg("http://127.0.0.1:8000", "server mode: the vLLM server's address")
+    gather_for_generation: bool = arg(
+        True, "ZeRO-3: gather to generate (fast); False: sharded, layer by layer (fits)"
+    )
+    generation_resident_gb: float = arg(
+        0.0,
+        "with gather_for_generation False: keep this many GB of layers gathered (middle mode)",
+        ">= 0",
+    )
+    generation_batch_size: int = arg(256, "HF generate: sequences per call", ">= 1")
+    vllm_batch_size: int = arg(0, "vLLM: prompts per call, 0 = all at once", ">= 0")
+    vllm_gpu_memory_utilization: float = arg(0.3, "vLLM's share of GPU memory", "(0, 1]")
+    vllm_tensor_parallel_size: int = arg(1, "ranks sharing one vLLM engine", ">= 1")
+    # the update
+    learning_rate: float = arg(1e-3, "peak LR (from scratch; ~1e-6 pretrained)", "> 0")
+    weight_decay: float = arg(0.0, "AdamW weight decay", ">= 0")
+    warmup_steps: int = arg(0, "linear LR warmup steps", ">= 0")
+    max_grad_norm: float = arg(1.0, "gradient clipping", ">= 0")
+    max_bad_steps: int = arg(
+        3, "stop after this many steps in a row skipped for non-finite loss or gradients", ">= 1"
+    )
+    # memory (MEMORY_KNOBS)
+    per_device_train_batch_size: int = arg(
+        32,
+        "sequences per micro-batch (forward/backward)",
+        ">= 1",
+        aliases="--micro_train_batch_size",
+    )
+    max_tokens_per_microbatch: int = arg(
+        0, "> 0: micro-batches by padded-token budget (length-sorted), not by count", ">= 0"
+    )
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward")
+    logprob_chunk_size: int = arg(
+        0,
+        f"tokens per fused log-prob tile (x {DEFAULT_VOCAB_CHUNK_SIZE} vocab columns, fp32); 0: "
+        f"logprobs.py's {DEFAULT_CHUNK_SIZE}",
+        ">= 0",
+    )
+    frozen_offload: bool = arg(
+        False,
+        "ZeRO-3: the frozen models' shards (reference, reward model) live in CPU memory",
+        aliases="--ref_offload",
+    )
+    attn_implementation: str = arg(
+        "sdpa", "sdpa, eager or flash_attention_2 (needs flash-attn and a CUDA GPU)"
+    )
+    partitioned_loading: bool = arg(
+        True,
+        "ZeRO-3: build every model already partitioned, each rank reading only its shard of the "
+        "checkpoint (zero3_load.py); False: every rank loads the full checkpoint first",
+    )
+    packing: bool = arg(False, "micro-batches as one row, no padding")
+    lora_r: int = arg(0, "> 0: train LoRA adapters of this rank only (peft)", ">= 0")
+    lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
+    lora_target_modules: str = arg("all-linear", "peft target_modules")
+    dtype: str = arg("auto", "auto (bf16 on a GPU with bf16, else fp32), bf16 or fp32")
+    pad_token: str = arg(
+        "",
+        "the pad token for a tokenizer that has none (its eos token is fine); empty: the "
+        "tokenizer must have one",
+    )
+    max_steps: int = arg(100, "training steps (one rollout batch each)", ">= 1")
+    # evaluation, logging, saving
+    eval_steps: int = arg(25, "held-out reward every this many steps (and at start/end)", ">= 0")
+    num_eval_prompts: int = arg(200, "held-out prompts, one sample each; 0: no eval", ">= 0")
+    save_steps: int = arg(0, "DeepSpeed checkpoint every this many steps; 0: none", ">= 0")
+    save_total_limit: int = arg(0, "keep only this many newest checkpoints; 0: all", ">= 0")
+    resume: bool = arg(
+        False,
+        "continue from the latest checkpoint in run_dir (same config and world size; see "
+        "checkpoint.py)",
+    )
+    overwrite: bool = arg(
+        False,
+        "a new run in a run_dir that holds an earlier run's checkpoints or metrics: delete them "
+        "first",
+    )
+    save_model: bool = arg(True, "write the final HF model to <run_dir>/final")
+    report_to: str = arg("none", "none or wandb (offline unless WANDB_MODE is set)")
+    estimate_memory: bool = arg(
+        False,
+        "print memory.py's per-phase, per-GPU estimate for these args (WORLD_SIZE from env) and "
+        "exit",
+    )
+    memory_budget_gb: float = arg(
+        0.0,
+        "> 0: the pre-flight fits the memory knobs under this many GB per rank (CPU: process RSS) "
+        "and the run adapts micro-batches and log-prob tiles between steps (fit.py); 0: off",
+        ">= 0",
+    )
+    preflight: bool = arg(
+        False,
+        "check data, models, tokenizer, rewards, DeepSpeed JSON and resume (WORLD_SIZE from env), "
+        "then exit; run.sh does this before torchrun",
+    )
+
+
+def parse(args_class, recipes, argv=None):
+    """The command line (argv, default sys.argv[1:]) as `args_class`, a recipe's defaults under it,
+    and the checks every loop's fields need on their own (no file read yet)."""
+    args = parse_args_quietly(args_class, argv)  # argparse's errors: exit 2; then each "range"
+    apply_recipe(args, recipes, argv)  # a flag given on the command line wins
+    if args.dtype not in ("auto", "bf16", "fp32"):
+        raise RunError("--dtype: auto, bf16 or fp32")
+    check_attn_implementation(args.attn_implementation, args.dtype)  # flash attention
+    if args.report_to not in ("none", "wandb"):
+        raise RunError("--report_to: none or wandb")
+    if args.use_vllm and args.gather_for_generation is False:
+        raise RunError(
+            "--gather_for_generation False applies to HF generation; drop it with --use_vllm"
+        )
+    if args.lora_r:
+        try:
+            import peft  # noqa: F401  (optional: only LoRA runs need it)
+        except ImportError:
+            raise RunError("--lora_r needs peft: pip install peft==0.21.2") from None
+    return args
+
+
+def batch_size(args):
+    """Completions per rank per step."""
+    return args.prompts_per_rank * args.num_generations
+
+
+# ---- The pre-flight: every input, then the estimate and the fit, then DeepSpeed's JSON -----------
+def deepspeed_config(args, knobs, world, hidden_size, dtype, lr, mini_batches=1):
+    """The DeepSpeed JSON for one trained model with its "auto" values filled from the arguments
+    (a concrete value that contradicts them is a ValueError from zero3_utils.load_ds_config);
+    mini_batches: optimizer steps per rollout batch (PPO's num_mini_batches)."""
+    with open(args.ds_config) as f:
+        raw = json.load(f)
+    check_global_batch(raw, args.ds_config, world * mini_batches, args.num_generations)
+    fill = {
+        "train_micro_batch_size_per_gpu": knobs.per_device_train_batch_size,
+        "gradient_accumulation_steps": math.ceil(
+            batch_size(args) / knobs.per_device_train_batch_size / mini_batches
+        ),
+        "gradient_clipping": args.max_grad_norm,
+        "bf16.enabled": dtype == torch.bfloat16,
+        "optimizer.params.lr": lr,
+        "optimizer.params.weight_decay": args.weight_decay,
+    }
+    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}  # its sections
+    return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
+
+
+@dataclass
+class Inputs:
+    """What the pre-flight read and checked: derived from Args, never written onto it."""
+
+    train_rows: list
+    eval_rows: list
+    model_path: str
+    config: object  # the policy's transformers config
+    tokenizer: object
+    stop_ids: list  # eos ids and the chat template's end of turn
+    template_kwargs: dict  # --chat_template_kwargs, parsed
+    funcs: list  # reward functions and their weights ([] with a reward model)
+    weights: list
+    dtype: torch.dtype
+    ds_config: dict  # resolved, for the policy's learning rate
+    knobs: object  # fit.Knobs: the memory knobs in effect
+
+
+def preflight(args, rank, world, models, say=print):
+    """Every input checked before a model loads or a step runs, each failure a RunError saying what
+    to change, in one pass: the inputs (vLLM, run_dir, data, models, tokenizer, rewards), then
+    the memory estimate and the fit (--memory_budget_gb, fit.py), then the DeepSpeed JSON with the
+    fitted knobs and the resume. `models`: what the loop builds beside the policy (fit.py)."""
+    check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
+    check_new_run(args.run_dir, args.resume, args.overwrite)  # before anything is written there
+    found = check_inputs(args, rank, models.get("reward_model", ""), models.get("env", ""))
+    dtype = training_dtype(args.dtype)
+    knobs, _ = fit_to_budget(args, world, models, say)  # the knobs as given, or fitted
+    mini = models.get("mini_batches", 1)
+    ds = check_ds_config(
+        lambda: deepspeed_config(
+            args, knobs, world, found["config"].hidden_size, dtype, args.learning_rate, mini
+        ),
+        args.ds_config,
+        f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} completions "
+        f"in {mini} optimizer step(s) per pass, micro-batches of {knobs.per_device_train_batch_size}",
+    )
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if knobs.frozen_offload and stage != 3:
+        raise RunError(f"--frozen_offload needs ZeRO-3 ({args.ds_config} has stage {stage})")
+    if args.partitioned_loading and stage == 3:  # safetensors
+        paths = [("--model", found["model_path"]), ("--reward_model", models.get("reward_model"))]
+        check_partitioned_loading([(flag, path) for flag, path in paths if path])
+    if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
+        check_resume(
+            os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS
+        )
+    return Inputs(**found, dtype=dtype, ds_config=ds, knobs=knobs)
+
+
+def before_torchrun(args, models):
+    """--estimate_memory (the per-phase table) or --preflight (the checks): one process, no group,
+    no weights; run.sh runs these before torchrun starts the ranks."""
+    if args.estimate_memory:
+        return estimate_run_memory(args, models)
+    preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)), models=models)
+    print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
+
+
+# ---- The run on this rank --------------------------------------------------------------------
+class Run:
+    """This rank's run: the process group, the checked inputs (`Inputs`' fields are its
+    attributes), the run dir; after start(), the checkpoints, the run log, the memory ledger, the
+    step guard, the knob adapter and the signal handler. The loop calls it; it calls no loop."""
+
+    def __init__(self, args, models):
+        self.args = args
+        self.rank, self.world, self.device = init_distributed()  # NCCL on GPUs, gloo on CPU
+        self.say = print if self.rank == 0 else (lambda *a, **k: None)
+        inputs = preflight(args, self.rank, self.world, models, self.say)
+        self.__dict__.update(vars(inputs))
+        os.makedirs(args.run_dir, exist_ok=True)  # the pre-flight wrote nothing (a built-in model)
+        if args.overwrite and self.rank == 0:
+            clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
+        dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
+        # eager for Gemma-2: sdpa drops its attention soft-cap, which vLLM applies
+        self.attn = attn_implementation_for(self.model_path, args.attn_implementation)
+        self.stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
+        self.mini_batches = models.get("mini_batches", 1)  # optimizer steps per batch and pass
+
+    # ---- models and engines ----
+    def ds(self, lr):
+        """The DeepSpeed config of a model trained with this learning rate."""
+        hidden, args, mini = self.config.hidden_size, self.args, self.mini_batches
+        return deepspeed_config(args, self.knobs, self.world, hidden, self.dtype, lr, mini)
+
+    def load(self, path=None, cls=AutoModelForCausalLM, frozen=False, **kw):
+        """A model (default: the policy) built partitioned under ZeRO-3, each rank reading only its
+        shard (zero3_load.py; --partitioned_loading False: the full load), else whole; a trained
+        one with gradient checkpointing when the knob is on."""
+        part = self.args.partitioned_loading and self.stage == 3
+        ds = frozen_config(self.ds_config, self.knobs.frozen_offload) if frozen else self.ds_config
+        path = path or self.model_path
+        kw.update(dtype=self.dtype, attn_implementation=self.attn)
+        model = load_model(cls, path, ds_config=ds if part else None, **kw)
+        if self.knobs.gradient_checkpointing and not frozen:
+            enable_gradient_checkpointing(model)
+        return model
+
+    def lora(self, model, task="CAUSAL_LM"):
+        """LoRA adapters (peft) on `model`: only they train."""
+        from peft import LoraConfig, get_peft_model  # optional and slow to import: LoRA runs only
+
+        if self.knobs.gradient_checkpointing:  # frozen embeddings: checkpointed layers need a grad
+            model.enable_input_require_grads()
+        a = self.args
+        config = LoraConfig(
+            r=a.lora_r,
+            lora_alpha=a.lora_alpha,
+            task_type=task,
+            target_modules=a.lora_target_modules,
+        )
+        return get_peft_model(model, config)
+
+    def train_engine(self, model, lr):
+        """A DeepSpeed training engine over the model's trainable parameters, with linear warmup
+        (a client scheduler, so the JSON needs no scheduler section)."""
+        ds = self.ds_config if lr == self.args.learning_rate else self.ds(lr)
+        steps = self.args.warmup_steps
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=ds,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda s: min(1.0, (s + 1) / (steps + 1))
+            ),
+        )
+        if engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0:
+            # one rank: DeepSpeed's gradient all-reduce would only copy every gradient into one
+            # flat buffer (0.32 GB at 85M parameters, bench/vs_trl.py); the update is the same
+            engine.enable_backward_allreduce = False
+        return engine
+
+    def frozen(self, model):
+        """A frozen model (reference, reward): under ZeRO-3 the module of an inference engine,
+        sharded like the trained models (its shards in CPU memory with --frozen_offload), else
+        resident on the device."""
+        if self.stage == 3:
+            return frozen_engine(model, self.ds_config, offload=self.knobs.frozen_offload).module
+        return model.to(self.device).eval().requires_grad_(False)
+
+    def vllm_engine(self):
+        """The vLLM generator of --use_vllm (colocated engines or a server client), else None."""
+        if not self.args.use_vllm:
+            return None
+        max_len = self.args.max_prompt_length + self.args.max_completion_length
+        max_len = min(max_len, self.config.max_position_embeddings)
+        pad = self.tokenizer.pad_token_id
+        return vllm_generator(self.args, self.model_path, self.dtype, max_len, pad)
+
+    # ---- rollout glue ----
+    def encode(self, rows):
+        """Prompt ids through the chat template, cut to max_prompt_length from the left."""
+        return encode_prompts(
+            self.tokenizer, rows, self.args.max_prompt_length, self.template_kwargs
+        )
+
+    def score(self, rows, completions, num_generations):
+        """The reward functions' weighted total (B,) and each one's raw rewards {name: (B,)}."""
+        return score_completions(self.funcs, self.weights, rows, completions, num_generations)
+
+    def generate(self, prompt_ids, num_generations, max_new_tokens=None):
+        """G completions of each prompt, prompt-major, from vLLM or the policy (HF generate)."""
+        a = self.args
+        kw = dict(
+            num_generations=num_generations,
+            max_new_tokens=max_new_tokens or a.max_completion_length,
+            temperature=a.temperature,
+            top_p=a.top_p,
+        )
+        if self.vllm is not None:
+            return self.vllm.generate(prompt_ids, stop_token_ids=self.stop_ids, **kw)
+        knobs = self.knobs
+        resident = int(knobs.generation_resident_gb * 2**30)
+        with unwrap_for_generation(self.policy, knobs.gather_for_generation, resident) as model:
+            return generate_hf(
+                model,
+                prompt_ids,
+                batch_size=knobs.generation_batch_size,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.stop_ids,  # eos ids and the chat template's end of turn
+                **kw,
+            )
+
+    # ---- the steps ----
+    def start(self, script, engines, vllm=None, eval_sample=None, sync_for_eval=True):
+        """After the models: resume (every engine's state and the step), the run log, the memory
+        ledger, the step guard, the knob adapter; the first held-out score. eval_sample(rows) ->
+        (total reward (B,), {name: (B,)}) samples one completion per held-out prompt."""
+        a, ckpt_dir = self.args, os.path.join(self.args.run_dir, "checkpoints")
+        self.engines, self.vllm, self.policy = engines, vllm, next(iter(engines.values()))
+        self.script = os.path.splitext(os.path.basename(script))[0]
+        self.eval_sample, self.sync_for_eval = eval_sample, sync_for_eval
+        self.ckpt_dir, self.ckpt_config, self.start_step = ckpt_dir, run_config(a, self.world), 0
+        if a.resume:  # every engine's state (model, optimizer, LR schedule) and the step
+            self.start_step = load_checkpoint(engines, ckpt_dir)
+            self.say(f"resumed from {latest_checkpoint(ckpt_dir)} at step {self.start_step}")
+        self.log = RunLog(
+            a.run_dir,
+            script,
+            vars(a),
+            self.rank,
+            a.report_to,
+            resume_step=self.start_step if a.resume else None,  # drop rows written after it
+            extra={"world_size": self.world, "ds_config_resolved": self.ds_config},
+        )  # what ran, metrics.jsonl, wandb
+        # peak memory per phase: CUDA allocated (less a sleeping vLLM's pool), or RSS on CPU; the
+        # phase running now in a file for run.sh, which names it when the kernel kills this rank
+        phase_file = os.path.join(a.run_dir, f"memory_phase.rank{self.rank}")
+        sleeping = vllm.sleeping_bytes if vllm is not None else None
+        self.ledger = MemoryLedger(self.device, OOM_HINTS, sleeping, phase_file)
+        self.guard = StepGuard(a.max_bad_steps)  # non-finite steps: counted, a streak stops
+        self.adapter = KnobAdapter(a, self.knobs)  # --memory_budget_gb: between steps
+        self.t_start, self.first_eval = time.time(), float("nan")
+        if a.num_eval_prompts and not a.resume:  # on resume it is in metrics.jsonl already
+            self.first_eval = self.held_out(self.start_step, f"step {self.start_step}")
+
+    def steps(self):
+        """The steps from start (or the resumed one) to max_steps, each with its sampling seed (so
+        a resumed run samples what the stopped one would have) and its clock."""
+        a = self.args
+        self.stop = StopOnSignal()  # SIGTERM / Ctrl-C from here: finish the step, save, exit 5
+        bar = tqdm(
+            range(self.start_step, a.max_steps),
+            disable=self.rank != 0 or not sys.stderr.isatty(),
+            desc=self.script,
+        )
+        for step in bar:
+            self.t0, self.step = time.time(), step + 1
+            torch.manual_seed(a.seed * 7919 + step * self.world + self.rank)
+            yield step
+            bar.set_postfix(reward=f"{self.row['reward']:.3f}")
+        bar.close()
+
+    def end_step(self, row, *, loss, grad_norm, skipped, line, updated=True):
+        """After the update: the step guard, the knob adapter, the row with the step's times and
+        memory in metrics.jsonl, the line rank 0 prints; the held-out score when due; a checkpoint
+        when due or when a signal asked to stop (then exit 5). Collectives: call it on every rank.
+        updated False (a step whose every row was dropped): nothing to guard, no knob moves."""
+        a, step = self.args, self.step
+        if updated:
+            self.guard.update(step, loss, grad_norm, skipped)
+        row["skipped_steps"] = self.guard.skipped
+        dt, mem_line = time.time() - self.t0, self.ledger.line()
+        knob_changes = self.adapter.after_step(self.ledger.step, step, updated=updated)
+        row.update(
+            tokens_per_s=row.pop("completion_tokens") / dt,
+            step_s=dt,
+            weight_sync_s=self.vllm.last_sync_seconds if self.vllm is not None else 0.0,
+            elapsed_s=time.time() - self.t_start,
+            **self.ledger.step_metrics(),  # mem/<phase>: this step's peak GB per phase
+        )
+        self.log.record(row)
+        for change in knob_changes:  # for the next step
+            self.log.record(change)
+            self.say(
+                f"fit: {change['fit/knob']} {change['fit/from']} -> {change['fit/to']}: "
+                f"{change['fit/reason']}"
+            )
+        self.row = row
+        if self.rank == 0:
+            tqdm.write(f"step {step}/{a.max_steps} {line} {dt:.2f}s | {mem_line}")
+        if a.eval_steps and self.eval_rows and step % a.eval_steps == 0 and step < a.max_steps:
+            self.held_out(step, f"step {step}")
+        saved = None
+        if a.save_steps and step % a.save_steps == 0:  # after this step's rows: none twice
+            saved = self.save(step)
+        if signum := self.stop.requested():  # SIGTERM or Ctrl-C on any rank: keep this step, stop
+            saved = saved or self.save(step)
+            raise Stopped(self.stop.message(signum, step, saved))  # exit 5 (checkpoint.py)
+
+    def save(self, step):
+        a = self.args
+        return save_checkpoint(
+            self.engines, self.ckpt_dir, step, self.ckpt_config, a.save_total_limit
+        )
+
+    def held_out(self, step, when):
+        """Held-out mean reward and accuracy (every reward function >= 1), one sampled completion
+        per prompt, prompts split over ranks, the same samples at every point of a run."""
+        if self.vllm is not None and self.sync_for_eval:
+            self.vllm.sync_weights(self.policy)  # wakes it after sleep()
+        mine = self.eval_rows[self.rank :: self.world]
+        torch.manual_seed(self.args.seed + 12345 + self.rank)
+        reward = acc = float("nan")
+        if self.eval_rows:
+            total, per_func = self.eval_sample(mine)  # (B,), {name: (B,)}
+            solved = (
+                torch.stack([r >= 1 for r in per_func.values()]).all(0)
+                if per_func
+                else torch.zeros(len(mine))  # a reward model's score: no accuracy
+            )  # (B,)
+            sums = all_sum([total.sum().item(), solved.sum().item(), len(mine)])
+            reward, acc = sums[0] / sums[2], sums[1] / sums[2]
+        self.say(
+            f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, "
+            f"{len(self.eval_rows)} prompts)"
+        )
+        self.log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
+        return reward
+
+    def finish(self, panels, save=None):
+        """After the last step: the held-out score, the memory summary, the final model
+        (save(path); default: the policy's full weights, merged with LoRA), curves.png; then the
+        process group closes."""
+        a = self.args
+        if a.num_eval_prompts:
+            last = self.held_out(a.max_steps, "end")
+            since = (
+                f"resumed at step {self.start_step}" if a.resume else f"start {self.first_eval:.3f}"
+            )
+            self.say(
+                f"held-out reward: {since} -> end {last:.3f} in "
+                f"{time.time() - self.t_start:.0f}s ({a.max_steps - self.start_step} steps)"
+            )
+        mem = self.ledger.summary()  # rank 0's peaks; the highest phase: where to look first
+        self.say(mem["text"])
+        self.log.record(
+            {
+                "step": a.max_steps,
+                "mem/highest_phase": mem["highest"],
+                **{f"mem/run_peak/{k}": v for k, v in mem["peak_gb"].items()},
+            }
+        )
+        if a.save_model:
+            final = os.path.join(a.run_dir, "final")
+            (save or (lambda path: save_hf(self.policy, self.tokenizer, path)))(final)
+        self.log.close(panels=panels)
+        dist.barrier()
+        if self.vllm is None:  # vLLM's exit handler tears down its groups with the default one
+            dist.destroy_process_group()

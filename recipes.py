@@ -1,0 +1,109 @@
+"""--recipe NAME: named sets of defaults for grpo.py and ppo.py, side by side; a flag given on the
+command line wins (checks.apply_recipe). Each loop's Args defaults fit the from-scratch tiny task;
+run.sh passes --recipe pretrained with MODEL. A value may be a function (smollm2.model_dir: a
+download), called only when its flag is not given. What each recipe measured, and why its values:
+docs/real-model.md (SmolLM2), docs/envs.md (the calculator), docs/ppo.md (PPO against GRPO).
+"""
+
+import envs
+import smollm2
+
+GRPO = {
+    "pretrained": {  # a small LR, longer answers, a batch that fits beside a real model
+        "learning_rate": 1e-6,
+        "max_completion_length": 256,
+        "prompts_per_rank": 4,
+        "per_device_train_batch_size": 4,
+        "gradient_checkpointing": True,
+        "eval_steps": 100,
+    },
+    # SmolLM2-135M-Instruct on GSM8K problems of at most two calculations, 2 CPU ranks, ZeRO-3,
+    # colocated vLLM: micro-batches of 2 (8 was killed for memory in the update)
+    "smollm2-gsm8k": {
+        "model": smollm2.model_dir,
+        "data": smollm2.gsm8k_train_file,
+        "reward_funcs": "rewards:math_reward",
+        "use_vllm": True,
+        "max_prompt_length": 320,
+        "max_completion_length": 192,
+        "prompts_per_rank": 4,
+        "num_generations": 8,
+        "per_device_train_batch_size": 2,
+        "gradient_checkpointing": True,
+        "learning_rate": 2e-5,
+        "temperature": 0.8,
+        "max_steps": 10,
+        "eval_steps": 5,
+        "num_eval_prompts": 200,
+    },
+}
+# the same model on two-digit additions, where it gets the signal GSM8K gives it almost none of
+GRPO["smollm2-addition"] = {
+    **GRPO["smollm2-gsm8k"],
+    "data": smollm2.addition_file,
+    "max_completion_length": 32,
+    "per_device_train_batch_size": 8,
+    "learning_rate": 1e-5,
+    "max_steps": 15,
+}
+# the same model with a calculator tool, multi-turn (envs.py): up to 3 assistant turns in 64 tokens
+GRPO["smollm2-calculator"] = {
+    **GRPO["smollm2-gsm8k"],
+    "data": envs.problems_file,
+    "env": "envs:calculator",
+    "reward_funcs": "envs:calculator_reward",
+    "max_turns": 3,
+    "max_prompt_length": 256,
+    "max_completion_length": 64,
+    "per_device_train_batch_size": 8,
+    "temperature": 1.0,
+    "max_steps": 15,
+    "num_eval_prompts": 100,
+}
+
+# PPO: sized for 2 CPU ranks of a 24 GB machine, ZeRO-3, with `--estimate_memory True`: actor,
+# critic and reference side by side
+PPO = {
+    "pretrained": {  # small LRs, longer answers, micro-batches that fit beside three models
+        "learning_rate": 1e-6,
+        "critic_learning_rate": 9e-6,
+        "max_completion_length": 256,
+        "prompts_per_rank": 4,
+        "per_device_train_batch_size": 2,
+        "gradient_checkpointing": True,
+        "eval_steps": 100,
+    },
+    # GRPO's recipe with PPO's two LRs, on-policy without KL as GRPO's (one epoch, kl_coef 0: no
+    # reference model, the update's own forward gives the old log-probs)
+    "smollm2-gsm8k": {
+        "model": smollm2.model_dir,
+        "data": smollm2.gsm8k_train_file,
+        "reward_funcs": "rewards:math_reward",
+        "use_vllm": True,
+        "max_prompt_length": 320,
+        "max_completion_length": 256,
+        "prompts_per_rank": 4,
+        "num_generations": 8,
+        "per_device_train_batch_size": 2,
+        "gradient_checkpointing": True,
+        "learning_rate": 1e-6,
+        "critic_learning_rate": 9e-6,
+        "ppo_epochs": 1,
+        "kl_coef": 0.0,
+        "temperature": 0.8,
+        "max_steps": 40,
+        "eval_steps": 10,
+        "num_eval_prompts": 200,
+    },
+}
+# GRPO's smollm2-addition for PPO: the same data, completions and steps, both LRs 1e-5
+PPO["smollm2-addition"] = {
+    **PPO["smollm2-gsm8k"],
+    "data": smollm2.addition_file,
+    "max_completion_length": 32,
+    "per_device_train_batch_size": 8,
+    "learning_rate": 1e-5,
+    "critic_learning_rate": 1e-5,
+    "max_steps": 15,
+    "eval_steps": 5,
+}
