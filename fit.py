@@ -57,6 +57,47 @@ LOW_WATER = 0.5  # every driven phase below this share raises it (up to the fast
 MIN_TILE = 256  # tokens per log-prob tile: below it the tile's matmuls run far from peak speed
 
 
+# Knobs that change memory, not the update (micro-batching never changes it: docs/accumulation.md),
+# so a run that ran out of memory can be resumed with one of them turned.
+MEMORY_KNOBS = (
+    "per_device_train_batch_size",
+    "max_tokens_per_microbatch",
+    "logprob_chunk_size",
+    "gradient_checkpointing",
+    "generation_batch_size",
+    "gather_for_generation",
+    "generation_resident_gb",
+    "vllm_batch_size",
+    "vllm_gpu_memory_utilization",
+    "vllm_mode",
+    "vllm_server_url",
+    "frozen_offload",
+    "partitioned_loading",
+    "max_bad_steps",
+    "memory_budget_gb",
+)
+_MICRO = "lower --per_device_train_batch_size or set --max_tokens_per_microbatch"
+# the ledger's phases (both loops') -> the knobs that lower its peak, for the out-of-memory message
+# (docs/troubleshooting.md, "Out of memory")
+OOM_HINTS = {
+    "weight_sync": "lower --vllm_gpu_memory_utilization (vLLM's pool shares the GPU with the "
+    "gathered weights), or --vllm_mode server (vLLM on devices of its own)",
+    "rollout": "HF generation: lower --generation_batch_size, or --gather_for_generation False "
+    "(layer by layer; --generation_resident_gb between the two); vLLM: lower --vllm_batch_size "
+    "or --vllm_gpu_memory_utilization; or a shorter --max_completion_length",
+    "old_logprobs": f"{_MICRO}; lower --logprob_chunk_size (tokens per log-prob tile); "
+    "--packing True",
+    "ref_logprobs": f"{_MICRO}; --frozen_offload True keeps the reference model's shards in CPU "
+    "memory",
+    "logprobs": f"{_MICRO}; lower --logprob_chunk_size; --frozen_offload True keeps the reference "
+    "and reward shards in CPU memory; --packing True",
+    "update": f"--gradient_checkpointing True, {_MICRO}, lower --logprob_chunk_size, --packing "
+    "True; for the optimizer states: configs/zero3_offload.json, --lora_r 16",
+    "optimizer_step": "offload the optimizer states (configs/zero3_offload.json) or use more GPUs "
+    "(ZeRO shards them)",
+}
+
+
 @dataclass
 class Knobs:
     """The memory knobs in effect, named as their flags: as given (Knobs.given), or as the

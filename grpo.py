@@ -590,14 +590,9 @@ def train_on_batch(engine, batch, plan, args, knobs, normalizer, device, ledger,
             engine.set_gradient_accumulation_boundary(i == len(plan) - 1)  # we decide the step
             # through engine.forward, not engine.module: ZeRO-3 counts micro-steps there, and
             # without that count every backward overwrites (not accumulates) the gradient partitions
+            kw = dict(return_entropy=True, chunk_size=knobs.logprob_chunk_size)
             logps, entropy = forward_logps(
-                engine,
-                mb,
-                args.temperature,
-                args.packing,
-                device,
-                return_entropy=True,
-                chunk_size=knobs.logprob_chunk_size,
+                engine, mb, args.temperature, args.packing, device, **kw
             )  # (b, c)
             mask = loss_tokens(mb).to(device)  # (b, c)
             on = {k: None if mb.get(k) is None else mb[k].to(device) for k in ON_DEVICE}

@@ -59,55 +59,15 @@ from checks import (
     parse_args_quietly,
     training_dtype,
 )
-from fit import KnobAdapter, estimate_run_memory, fit_to_budget
+from fit import MEMORY_KNOBS, OOM_HINTS, KnobAdapter, estimate_run_memory, fit_to_budget
 from generation import attn_implementation_for, generate_hf, unwrap_for_generation
-from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
+from logprobs import DEFAULT_CHUNK_SIZE
 from memory import MemoryLedger
 from runlog import RunLog
 from tasks import score_completions
 from vllm_server import vllm_generator
 from zero3_load import enable_gradient_checkpointing, load_model
 from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
-
-# Knobs that change memory, not the update (micro-batching never changes it: docs/accumulation.md),
-# so a run that ran out of memory can be resumed with one of them turned.
-MEMORY_KNOBS = (
-    "per_device_train_batch_size",
-    "max_tokens_per_microbatch",
-    "logprob_chunk_size",
-    "gradient_checkpointing",
-    "generation_batch_size",
-    "gather_for_generation",
-    "generation_resident_gb",
-    "vllm_batch_size",
-    "vllm_gpu_memory_utilization",
-    "vllm_mode",
-    "vllm_server_url",
-    "frozen_offload",
-    "partitioned_loading",
-    "max_bad_steps",
-    "memory_budget_gb",
-)
-_MICRO = "lower --per_device_train_batch_size or set --max_tokens_per_microbatch"
-# the ledger's phases (both loops') -> the knobs that lower its peak, for the out-of-memory message
-# (docs/troubleshooting.md, "Out of memory")
-OOM_HINTS = {
-    "weight_sync": "lower --vllm_gpu_memory_utilization (vLLM's pool shares the GPU with the "
-    "gathered weights), or --vllm_mode server (vLLM on devices of its own)",
-    "rollout": "HF generation: lower --generation_batch_size, or --gather_for_generation False "
-    "(layer by layer; --generation_resident_gb between the two); vLLM: lower --vllm_batch_size "
-    "or --vllm_gpu_memory_utilization; or a shorter --max_completion_length",
-    "old_logprobs": f"{_MICRO}; lower --logprob_chunk_size (tokens per log-prob tile); "
-    "--packing True",
-    "ref_logprobs": f"{_MICRO}; --frozen_offload True keeps the reference model's shards in CPU "
-    "memory",
-    "logprobs": f"{_MICRO}; lower --logprob_chunk_size; --frozen_offload True keeps the reference "
-    "and reward shards in CPU memory; --packing True",
-    "update": f"--gradient_checkpointing True, {_MICRO}, lower --logprob_chunk_size, --packing "
-    "True; for the optimizer states: configs/zero3_offload.json, --lora_r 16",
-    "optimizer_step": "offload the optimizer states (configs/zero3_offload.json) or use more GPUs "
-    "(ZeRO shards them)",
-}
 
 
 # ---- The fields both loops have (each loop's Args extends this) --------------------------------
@@ -116,25 +76,17 @@ class RunArgs:
     model: str = arg("", "the policy's hub id or path; empty: a tiny model from scratch")
     recipe: str = arg("", "a named set of defaults (the loop's RECIPES); flags given win")
     data: str = arg(
-        "",
-        "a JSONL, JSON, CSV or parquet file, a directory saved by datasets, or a hub id (datasets."
-        "load_dataset); empty: the largest-digit task",
+        "", "JSONL/JSON/CSV/parquet, a datasets dir or hub id; empty: the built-in task"
     )
     data_split: str = arg("train", "--data's split (a single file is 'train'; 'train[:1000]' too)")
     data_config: str = arg("", "--data's subset (config name) on the hub, e.g. gsm8k's main")
-    prompt_field: str = arg(
-        "prompt", "--data's prompt field: a string, or a list of {role, content} messages"
-    )
+    prompt_field: str = arg("prompt", "--data's prompt: a string or a list of {role, content}")
     answer_field: str = arg(
-        "answer", "--data's answer field, passed to the rewards (None if absent)"
+        "answer", "--data's answer field, given to the rewards (None if absent)"
     )
-    chat_template_kwargs: str = arg(
-        "", 'a JSON object of chat template arguments, e.g. {"enable_thinking": false}'
-    )
+    chat_template_kwargs: str = arg("", 'chat template arguments, JSON: {"enable_thinking": false}')
     reward_funcs: str = arg(
-        "",
-        "module:function,... each (prompts, completions, answers) -> list[float]; empty: the "
-        "task's own",
+        "", "module:function,... (prompts, completions, answers) -> list[float]"
     )
     reward_weights: str = arg("", "one weight per reward; empty: 0.25,0.75 (task) or 1s")
     run_dir: str = arg("runs/grpo", "metrics.jsonl, args, checkpoints, final model")
@@ -149,19 +101,11 @@ class RunArgs:
     top_p: float = arg(1.0, "nucleus sampling", "(0, 1]")
     use_vllm: bool = arg(False, "generate with vLLM (--vllm_mode: colocated, or a server)")
     vllm_mode: str = arg(
-        "colocate",
-        "colocate: a vLLM engine per rank (or TP group); server: one vLLM server (run.sh "
-        "VLLM_DEVICES=...)",
+        "colocate", "colocate: an engine per rank; server: VLLM_DEVICES=... run.sh"
     )
     vllm_server_url: str = arg("http://127.0.0.1:8000", "server mode: the vLLM server's address")
-    gather_for_generation: bool = arg(
-        True, "ZeRO-3: gather to generate (fast); False: sharded, layer by layer (fits)"
-    )
-    generation_resident_gb: float = arg(
-        0.0,
-        "with gather_for_generation False: keep this many GB of layers gathered (middle mode)",
-        ">= 0",
-    )
+    gather_for_generation: bool = arg(True, "ZeRO-3: gather to generate; False: layer by layer")
+    generation_resident_gb: float = arg(0.0, "layer by layer: GB of layers kept gathered", ">= 0")
     generation_batch_size: int = arg(256, "HF generate: sequences per call", ">= 1")
     vllm_batch_size: int = arg(0, "vLLM: prompts per call, 0 = all at once", ">= 0")
     vllm_gpu_memory_utilization: float = arg(0.3, "vLLM's share of GPU memory", "(0, 1]")
@@ -171,83 +115,42 @@ class RunArgs:
     weight_decay: float = arg(0.0, "AdamW weight decay", ">= 0")
     warmup_steps: int = arg(0, "linear LR warmup steps", ">= 0")
     max_grad_norm: float = arg(1.0, "gradient clipping", ">= 0")
-    max_bad_steps: int = arg(
-        3, "stop after this many steps in a row skipped for non-finite loss or gradients", ">= 1"
-    )
-    # memory (MEMORY_KNOBS)
+    max_bad_steps: int = arg(3, "stop after this many non-finite steps in a row", ">= 1")
+    # memory (fit.MEMORY_KNOBS); the old names are still accepted
     per_device_train_batch_size: int = arg(
-        32,
-        "sequences per micro-batch (forward/backward)",
-        ">= 1",
-        aliases="--micro_train_batch_size",
+        32, "sequences per micro-batch", ">= 1", aliases="--micro_train_batch_size"
     )
-    max_tokens_per_microbatch: int = arg(
-        0, "> 0: micro-batches by padded-token budget (length-sorted), not by count", ">= 0"
-    )
+    max_tokens_per_microbatch: int = arg(0, "> 0: micro-batches by padded-token budget", ">= 0")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward")
     logprob_chunk_size: int = arg(
-        0,
-        f"tokens per fused log-prob tile (x {DEFAULT_VOCAB_CHUNK_SIZE} vocab columns, fp32); 0: "
-        f"logprobs.py's {DEFAULT_CHUNK_SIZE}",
-        ">= 0",
+        0, f"tokens per fused log-prob tile; 0: logprobs.py's {DEFAULT_CHUNK_SIZE}", ">= 0"
     )
     frozen_offload: bool = arg(
-        False,
-        "ZeRO-3: the frozen models' shards (reference, reward model) live in CPU memory",
-        aliases="--ref_offload",
+        False, "ZeRO-3: reference and reward model shards in CPU memory", aliases="--ref_offload"
     )
-    attn_implementation: str = arg(
-        "sdpa", "sdpa, eager or flash_attention_2 (needs flash-attn and a CUDA GPU)"
-    )
-    partitioned_loading: bool = arg(
-        True,
-        "ZeRO-3: build every model already partitioned, each rank reading only its shard of the "
-        "checkpoint (zero3_load.py); False: every rank loads the full checkpoint first",
-    )
+    attn_implementation: str = arg("sdpa", "sdpa, eager or flash_attention_2 (CUDA, flash-attn)")
+    partitioned_loading: bool = arg(True, "ZeRO-3: each rank reads only its shard (zero3_load.py)")
     packing: bool = arg(False, "micro-batches as one row, no padding")
     lora_r: int = arg(0, "> 0: train LoRA adapters of this rank only (peft)", ">= 0")
     lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
     lora_target_modules: str = arg("all-linear", "peft target_modules")
     dtype: str = arg("auto", "auto (bf16 on a GPU with bf16, else fp32), bf16 or fp32")
-    pad_token: str = arg(
-        "",
-        "the pad token for a tokenizer that has none (its eos token is fine); empty: the "
-        "tokenizer must have one",
-    )
+    pad_token: str = arg("", "a pad token for a tokenizer without one (its eos token is fine)")
     max_steps: int = arg(100, "training steps (one rollout batch each)", ">= 1")
     # evaluation, logging, saving
     eval_steps: int = arg(25, "held-out reward every this many steps (and at start/end)", ">= 0")
     num_eval_prompts: int = arg(200, "held-out prompts, one sample each; 0: no eval", ">= 0")
     save_steps: int = arg(0, "DeepSpeed checkpoint every this many steps; 0: none", ">= 0")
     save_total_limit: int = arg(0, "keep only this many newest checkpoints; 0: all", ">= 0")
-    resume: bool = arg(
-        False,
-        "continue from the latest checkpoint in run_dir (same config and world size; see "
-        "checkpoint.py)",
-    )
-    overwrite: bool = arg(
-        False,
-        "a new run in a run_dir that holds an earlier run's checkpoints or metrics: delete them "
-        "first",
-    )
+    resume: bool = arg(False, "continue from the latest checkpoint in run_dir (checkpoint.py)")
+    overwrite: bool = arg(False, "delete an earlier run's checkpoints and metrics in run_dir")
     save_model: bool = arg(True, "write the final HF model to <run_dir>/final")
     report_to: str = arg("none", "none or wandb (offline unless WANDB_MODE is set)")
-    estimate_memory: bool = arg(
-        False,
-        "print memory.py's per-phase, per-GPU estimate for these args (WORLD_SIZE from env) and "
-        "exit",
-    )
+    estimate_memory: bool = arg(False, "print the per-phase memory estimate (fit.py) and exit")
     memory_budget_gb: float = arg(
-        0.0,
-        "> 0: the pre-flight fits the memory knobs under this many GB per rank (CPU: process RSS) "
-        "and the run adapts micro-batches and log-prob tiles between steps (fit.py); 0: off",
-        ">= 0",
+        0.0, "> 0: GB per rank the knobs are fitted under, before and between steps", ">= 0"
     )
-    preflight: bool = arg(
-        False,
-        "check data, models, tokenizer, rewards, DeepSpeed JSON and resume (WORLD_SIZE from env), "
-        "then exit; run.sh does this before torchrun",
-    )
+    preflight: bool = arg(False, "check every input, then exit; run.sh does this first")
 
 
 def parse(args_class, recipes, argv=None):
@@ -334,7 +237,8 @@ def preflight(args, rank, world, models, say=print):
         ),
         args.ds_config,
         f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} completions "
-        f"in {mini} optimizer step(s) per pass, micro-batches of {knobs.per_device_train_batch_size}",
+        f"in {mini} optimizer step(s) per pass, micro-batches of "
+        f"{knobs.per_device_train_batch_size}",
     )
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if knobs.frozen_offload and stage != 3:

@@ -397,14 +397,9 @@ def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, knob
     # through the engines' forward: ZeRO-3 counts micro-steps there (see grpo.py)
     actor.set_gradient_accumulation_boundary(boundary)
     with timed(times, "actor_forward"):
+        kw = dict(return_entropy=True, chunk_size=knobs.logprob_chunk_size)
         logps, entropy = forward_logps(
-            actor,
-            mb,
-            args.temperature,
-            args.packing,
-            device,
-            return_entropy=True,
-            chunk_size=knobs.logprob_chunk_size,
+            actor, mb, args.temperature, args.packing, device, **kw
         )  # (b, c)
         # on-policy (no old_logps): this forward is the sampling policy's, the ratio is 1
         old = mb.get("old_logps")
