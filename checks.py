@@ -259,7 +259,7 @@ def check_ranges(args):
             raise RunError(f"--{f.name} {value}: must be {describe_range(rule)}{why}")
 
 
-# ---- Recipes: named sets of defaults (each loop's RECIPES table), a flag on the command line wins
+# ---- Recipes: named sets of defaults (recipes.py, a table per loop), a flag given wins
 # A value may be a function (smollm2.model_dir: a download), called only when its flag is not given.
 def recipe_help(recipes):
     """--recipe's --help text: every recipe with its values, a function shown as module.name()."""

@@ -209,7 +209,7 @@ def vllm_importance_weights(batch, args):
 class Args(harness.RunArgs):
     recipe: str = arg("", recipe_help(recipes.GRPO))
     num_generations: int = arg(
-        8, "G: completions per prompt, one group", ">= 2", why="advantages compare them"
+        8, "G: completions per prompt", ">= 2", why="advantages compare completions within a group"
     )
     vllm_importance_cap: float = arg(
         -1.0,

@@ -74,7 +74,7 @@ from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
 @dataclass
 class RunArgs:
     model: str = arg("", "the policy's hub id or path; empty: a tiny model from scratch")
-    recipe: str = arg("", "a named set of defaults (the loop's RECIPES); flags given win")
+    recipe: str = arg("", "a named set of defaults (recipes.py); flags given win")
     data: str = arg(
         "", "JSONL/JSON/CSV/parquet, a datasets dir or hub id; empty: the built-in task"
     )

@@ -454,7 +454,7 @@ def main(argv=None):
         gens = run.generate(prompt_ids, 1)
         completions = run.tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
         batch = make_batch(prompt_ids, gens, run.tokenizer.pad_token_id)
-        plan = plan_micro_batches(batch, args.per_device_train_batch_size)
+        plan = plan_micro_batches(batch, run.knobs.per_device_train_batch_size)
         return score(run, rows, completions, 1, batch, plan, reward_model)
 
     run.start(__file__, {"actor": engine, "critic": critic_engine}, vllm, eval_sample)

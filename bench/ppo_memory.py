@@ -88,7 +88,7 @@ def configs(tmp):
         "4",
         "--num_generations",
         "2",
-        "--micro_train_batch_size",
+        "--per_device_train_batch_size",
         "4",
         "--ppo_epochs",
         "1",

@@ -53,11 +53,11 @@ class Args:
 
 def flags(loop, args):
     """The run.sh flags of one side: the recipe, the shared work, that side's extras."""
-    micro = "--per_device_train_batch_size" if loop == "grpo" else "--micro_train_batch_size"
     argv = ["--recipe", "smollm2-gsm8k", "--max_steps", str(args.steps), "--eval_steps", "0"]
     argv += ["--num_eval_prompts", "0", "--save_steps", "0", "--save_model", "False"]
     argv += ["--prompts_per_rank", str(args.prompts), "--num_generations", str(args.generations)]
-    argv += ["--max_completion_length", str(args.completion), micro, str(args.micro)]
+    argv += ["--max_completion_length", str(args.completion)]
+    argv += ["--per_device_train_batch_size", str(args.micro)]
     argv += ["--gradient_checkpointing", str(args.gradient_checkpointing)]
     return argv + shlex.split(args.ppo_flags if loop == "ppo" else args.grpo_flags)
 
@@ -70,7 +70,7 @@ def passes(loop, argv):
     a = (grpo if loop == "grpo" else ppo).parse_args(argv)
     gc = int(a.gradient_checkpointing)
     if loop == "grpo":
-        fwd = int(a.num_iterations > 1 or a.vllm_importance_cap > 0) + int(a.beta > 0)
+        fwd = int(a.num_iterations > 1 or grpo.importance_cap(a) > 0) + int(a.beta > 0)
         fwd += a.num_iterations * (1 + gc)  # the update's forward (+ its recompute)
         bwd = a.num_iterations
     else:  # values, old log-probs (where needed), the reference; per epoch actor and critic

@@ -36,7 +36,7 @@ COMMON = [
 ]
 PER_LOOP = {
     "grpo": ["--per_device_train_batch_size", "4"],
-    "ppo": ["--micro_train_batch_size", "4"],
+    "ppo": ["--per_device_train_batch_size", "4"],
 }
 
 

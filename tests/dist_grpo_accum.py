@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from checks import exit_process
+from fit import Knobs
 from generation import Generations
 from grpo import (
     LOSS_TYPES,
@@ -102,8 +103,8 @@ def check(label, stage, args, keep, want_loss, want_norm, want, atol=1e-7):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     config = {
-        "train_micro_batch_size_per_gpu": args.micro,
-        "gradient_accumulation_steps": 4 // args.micro,
+        "train_micro_batch_size_per_gpu": Knobs.given(args).per_device_train_batch_size,
+        "gradient_accumulation_steps": 4 // Knobs.given(args).per_device_train_batch_size,
         "train_batch_size": 8,
         "zero_optimization": {"stage": stage},
         "gradient_clipping": 0.0,

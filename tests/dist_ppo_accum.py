@@ -70,7 +70,7 @@ def ppo_args(micro, packing, budget):
     """ppo.py's own Args: 2 prompts x 2 completions = 4 rows per rank, one epoch, one mini-batch."""
     argv = ["--prompts_per_rank", "2", "--num_generations", "2", "--ppo_epochs", "1"]
     argv += ["--num_mini_batches", "1", "--cliprange", "0.2", "--cliprange_value", "0.05"]
-    argv += ["--micro_train_batch_size", str(micro), "--packing", str(packing)]
+    argv += ["--per_device_train_batch_size", str(micro), "--packing", str(packing)]
     return parse_args(argv + ["--max_tokens_per_microbatch", str(budget)])
 
 

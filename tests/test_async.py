@@ -25,7 +25,7 @@ import torch
 import conftest
 from checks import RunError
 from conftest import ROOT, free_port, train_rows
-from grpo import parse_args, vllm_importance_weights
+from grpo import importance_cap, parse_args, vllm_importance_weights
 from prefetch import Prefetcher
 
 
@@ -89,12 +89,12 @@ def test_flags_and_importance_weights():
         parse_args(["--max_staleness", "1", "--use_vllm", "True"])  # colocated
     with pytest.raises(RunError, match="--dynamic_sampling"):
         parse_args([*SERVER, "--max_staleness", "1", "--dynamic_sampling", "True"])
-    assert parse_args([*SERVER]).vllm_importance_cap == 0.0  # synchronous: off by default
-    assert parse_args([*SERVER, "--max_staleness", "0"]).vllm_importance_cap == 0.0
+    assert importance_cap(parse_args([*SERVER])) == 0.0  # synchronous: off by default
+    assert importance_cap(parse_args([*SERVER, "--max_staleness", "0"])) == 0.0
     given = parse_args([*SERVER, "--max_staleness", "2", "--vllm_importance_cap", "0"])
-    assert given.vllm_importance_cap == 0.0
+    assert importance_cap(given) == 0.0  # given: as given
     args = parse_args([*SERVER, "--max_staleness", "2"])
-    assert args.vllm_importance_cap == 3.0
+    assert args.vllm_importance_cap == -1.0 and importance_cap(args) == 3.0  # Args: as given
 
     sampler = torch.log(torch.rand(4, 5))  # (B, C)
     gap = torch.tensor([0.0, math.log(2.0), math.log(5.0), -1.0])[:, None].expand(4, 5)

@@ -31,7 +31,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
         ),
         (
             "ppo",
-            ["--prompts_per_rank", "4", "--num_generations", "2", "--micro_train_batch_size", "4"],
+            [
+                "--prompts_per_rank",
+                "4",
+                "--num_generations",
+                "2",
+                "--per_device_train_batch_size",
+                "4",
+            ],
         ),
     ],
 )

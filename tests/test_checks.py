@@ -20,6 +20,7 @@ import grpo
 import ppo
 from checks import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM, RunError, StepGuard, entry
 from conftest import ROOT, free_port, run_sh, torchrun
+from fit import OOM_HINTS
 from memory import MemoryLedger
 
 REWARDS = """
@@ -288,8 +289,7 @@ def test_resume_without_a_checkpoint_or_with_another_config(env, capsys):
         "--ds_config",
         os.path.join(ROOT, "configs", "zero3.json"),
     ]
-    args = grpo.parse_args(base)
-    grpo.preflight(args, 0, 2)  # as main does before it takes run_config (stop_ids, ...)
+    args = grpo.parse_args(base)  # what the checkpoint records: the arguments as given
     save_checkpoint({}, str(env / "run" / "checkpoints"), 2, run_config(args, 2))
     assert preflight(grpo.main, env, "--resume", "True") == 0
     # a memory knob may change on resume (the update does not depend on micro-batching) ...
@@ -342,7 +342,7 @@ def test_out_of_memory_names_the_phase_and_the_knob(capsys):
     """A real allocation failure (the CPU allocator's, 128 TiB) inside a ledger phase."""
 
     def main(argv):
-        ledger = MemoryLedger("cpu", grpo.OOM_HINTS)
+        ledger = MemoryLedger("cpu", OOM_HINTS)
         with ledger.phase("update"):
             torch.empty(2**45)
 
@@ -353,9 +353,9 @@ def test_out_of_memory_names_the_phase_and_the_knob(capsys):
     for module in (grpo, ppo):
         src = open(module.__file__).read()
         phases = {p.split('"')[1] for p in src.split("phase(")[1:] if p.startswith('"')}
-        assert phases and phases <= set(module.OOM_HINTS), (
+        assert phases and phases <= set(OOM_HINTS), (
             module.__name__,
-            phases - set(module.OOM_HINTS),
+            phases - set(OOM_HINTS),
         )
 
 
@@ -628,8 +628,7 @@ def test_resume_with_corrupt_metadata_or_missing_shards(env, capsys, loop):
         os.path.join(ROOT, "configs", "zero3.json"),
     ]
     names = ("policy",) if loop is grpo else ("actor", "critic")
-    args = loop.parse_args(base)
-    loop.preflight(args, 0, 2)  # as main does before it takes run_config (stop_ids, ...)
+    args = loop.parse_args(base)  # what the checkpoint records: the arguments as given
     config = run_config(args, 2)
     save_checkpoint({n: FakeEngine() for n in names}, str(ckpt), 2, config)
     assert preflight(loop.main, env, "--resume", "True") == 0
@@ -827,7 +826,7 @@ def test_rank_killed_by_the_kernel_is_named_with_its_phase(tmp_path):
     assert "Signal 9" in out, out  # torchrun's own summary stays
     line = next(x for x in out.splitlines() if x.startswith("run.sh: rank"))
     assert line.startswith("run.sh: rank 1 was killed (SIGKILL") and "phase 'rollout'" in line
-    assert "out of memory" in line and grpo.OOM_HINTS["rollout"] in line, line
+    assert "out of memory" in line and OOM_HINTS["rollout"] in line, line
     assert out.count("run.sh: rank") == 1, out  # rank 0 stopped in Python: not named
 
 

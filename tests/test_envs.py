@@ -182,7 +182,8 @@ def test_bad_environments_and_templates(tokenizer):
     from checks import RunError
     from grpo import parse_args
 
-    assert parse_args(["--env", "envs:calculator"]).env_factory is envs.calculator
+    assert parse_args(["--env", "envs:calculator"]).env == "envs:calculator"  # as given
+    assert envs.load_env("envs:calculator") is envs.calculator  # grpo.main's factory
     with pytest.raises(RunError, match="--env runs with the synchronous rollout only"):
         parse_args(["--env", "envs:calculator", "--dynamic_sampling", "True"])
 

@@ -8,28 +8,31 @@ import fit
 import grpo
 import ppo
 from checks import RunError
-from fit import HIGH_WATER, LOW_WATER, MIN_TILE, KnobAdapter, estimate_kwargs, fit_to_budget
+from fit import HIGH_WATER, LOW_WATER, MIN_TILE, KnobAdapter, Knobs, estimate_kwargs, fit_to_budget
 from memory import GB, estimate_memory
 
 QWEN = ["--model", "qwen2.5-1.5b", "--dtype", "bf16", "--max_completion_length", "512"]
 QWEN += ["--prompts_per_rank", "4", "--beta", "0.04"]
 
 
-def need_gb(args, loop="grpo"):
+def need_gb(args, loop=grpo):
     """The highest phase the estimate gives these args, in GB (the runtime RSS not included)."""
-    return max(estimate_memory(**estimate_kwargs(args, loop, 1))["phases"].values()) / GB
+    models = loop.memory_models(args)
+    return max(estimate_memory(**estimate_kwargs(args, 1, models))["phases"].values()) / GB
 
 
-def fitted(argv, loop="grpo"):
-    module = grpo if loop == "grpo" else ppo
-    args, lines = module.parse_args(argv), []
-    phases = fit_to_budget(args, loop, 1, say=lines.append)
-    return args, phases, lines
+def fitted(argv, loop=grpo):
+    """(the knobs fitted, the estimate's phases, what was said) for these args; Args untouched."""
+    args, lines = loop.parse_args(argv), []
+    knobs, phases = fit_to_budget(args, 1, loop.memory_models(args), say=lines.append)
+    assert args == loop.parse_args(argv)  # the configuration as given
+    return knobs, phases, lines
 
 
 def test_off_by_default_and_a_budget_above_changes_nothing():
     args, phases, lines = fitted([])  # no budget, and the machine has room: no pre-flight fit
     assert phases is None and lines == [] and args.memory_budget_gb == 0
+    assert args == Knobs.given(grpo.parse_args([]))
     need = need_gb(grpo.parse_args(QWEN))
     # a budget just above what the knobs as given need, plus the runtime the fit adds on CPU (this
     # process's resident set, which grows with the tests run before in it) and a margin for it
@@ -37,10 +40,7 @@ def test_off_by_default_and_a_budget_above_changes_nothing():
     budget = (need + runtime) / HIGH_WATER
     args, phases, lines = fitted(QWEN + ["--memory_budget_gb", str(budget)])
     assert "the knobs as given fit" in lines[0]
-    plain = grpo.parse_args(QWEN)
-    for knob in grpo.MEMORY_KNOBS:
-        if knob != "memory_budget_gb":
-            assert getattr(args, knob) == getattr(plain, knob), knob
+    assert args == Knobs.given(grpo.parse_args(QWEN + ["--memory_budget_gb", str(budget)]))
     assert max(phases.values()) <= HIGH_WATER * budget * GB
 
 
@@ -51,10 +51,10 @@ def test_a_budget_below_lowers_the_cheapest_knobs_first_and_fits():
     assert max(phases.values()) <= HIGH_WATER * budget * GB  # the estimate, runtime included
     # the ladder's order: frozen shards to CPU, then the tile, then the micro-batch...
     said = lines[0]
-    assert said.index("ref_offload False -> True") < said.index("logprob_chunk_size 0 -> ")
+    assert said.index("frozen_offload False -> True") < said.index("logprob_chunk_size 0 -> ")
     assert said.index("logprob_chunk_size") < said.index("per_device_train_batch_size 32 -> ")
-    assert args.ref_offload and args.logprob_chunk_size == MIN_TILE
-    assert args.micro == args.per_device_train_batch_size < 32
+    assert args.frozen_offload and args.logprob_chunk_size == MIN_TILE
+    assert args.per_device_train_batch_size < 32
     # ... and nothing dearer than needed: generation stays gathered, no checkpointing
     assert args.gather_for_generation and not args.gradient_checkpointing
     assert "update" in lines[1] and "GB/GPU" in lines[1]  # the estimate per phase is printed
@@ -78,7 +78,7 @@ def test_nothing_fits_exits_2_with_the_closest_config_and_its_shortfall():
         fitted(QWEN + ["--memory_budget_gb", "10"])
     msg = str(e.value)
     assert e.value.exit_code == 2
-    assert "nothing fits. Closest: ref_offload False -> True" in msg
+    assert "nothing fits. Closest: frozen_offload False -> True" in msg
     assert "GB over 90% of the budget" in msg and "configs/zero3_offload.json" in msg
 
 
@@ -102,7 +102,7 @@ def test_no_budget_the_machine_s_memory_per_rank_is_fitted(monkeypatch):
     assert f"--memory_budget_gb {share:.2f} does" in lines[0], lines
     assert args.memory_budget_gb == pytest.approx(share, abs=0.01)
     assert max(phases.values()) <= HIGH_WATER * args.memory_budget_gb * GB
-    assert args.micro < 32  # the micro-batch came down
+    assert args.per_device_train_batch_size < 32  # the micro-batch came down
 
 
 def test_no_budget_and_nothing_fits_the_machine_exits_2(monkeypatch):
@@ -114,18 +114,20 @@ def test_no_budget_and_nothing_fits_the_machine_exits_2(monkeypatch):
     assert "nothing fits" in msg and "configs/zero3_offload.json" in msg
 
 
-def test_ppo_fits_with_its_own_knob_names():
+def test_ppo_fits_the_same_knobs_in_its_own_phases():
     argv = ["--model", "qwen2.5-0.5b", "--dtype", "bf16", "--max_completion_length", "512"]
-    need = need_gb(ppo.parse_args(argv), "ppo")
-    args, phases, lines = fitted(argv + ["--memory_budget_gb", str(0.8 * need)], "ppo")
+    need = need_gb(ppo.parse_args(argv), ppo)
+    args, phases, lines = fitted(argv + ["--memory_budget_gb", str(0.8 * need)], ppo)
     assert set(phases) == {"rollout", "logprobs", "update"}
-    assert args.frozen_offload and args.micro == args.micro_train_batch_size < 64
+    assert args.frozen_offload and args.per_device_train_batch_size < 64
     assert max(phases.values()) <= HIGH_WATER * 0.8 * need * GB
 
 
 def test_adapter_lowers_above_the_high_water_mark_raises_far_below_never_back():
-    args = grpo.parse_args(["--memory_budget_gb", "10", "--per_device_train_batch_size", "16"])
-    a = KnobAdapter(args, "grpo")  # batch: 16 prompts x 8 = 128 completions per rank
+    args = Knobs.given(
+        grpo.parse_args(["--memory_budget_gb", "10", "--per_device_train_batch_size", "16"])
+    )
+    a = KnobAdapter(grpo.parse_args([]), args)  # batch: 16 prompts x 8 = 128 completions per rank
 
     def peaks(update_gb):  # rollout is not a driven phase: its peak moves nothing here
         return {"rollout": 9.9 * GB, "update": update_gb * GB}
@@ -133,19 +135,26 @@ def test_adapter_lowers_above_the_high_water_mark_raises_far_below_never_back():
     assert a.after_step(peaks(0.7 * 10), 1) == []  # between the marks: nothing moves
     (row,) = a.after_step(peaks(HIGH_WATER * 10 + 0.1), 2)
     assert row["fit/knob"] == "per_device_train_batch_size" and row["step"] == 2
-    assert (row["fit/from"], row["fit/to"], args.micro) == (16, 8, 8)
+    assert (row["fit/from"], row["fit/to"], args.per_device_train_batch_size) == (16, 8, 8)
     assert "update peak" in row["fit/reason"]
     assert a.after_step(peaks(LOW_WATER * 10 - 0.1), 3) == []  # 16 crossed the mark: not again
 
-    args = grpo.parse_args(["--memory_budget_gb", "10", "--per_device_train_batch_size", "2"])
-    a = KnobAdapter(args, "grpo")
+    args = Knobs.given(
+        grpo.parse_args(["--memory_budget_gb", "10", "--per_device_train_batch_size", "2"])
+    )
+    a = KnobAdapter(grpo.parse_args([]), args)
     # a step that ran no update (every row dropped) is no evidence of spare memory
-    assert a.after_step({"rollout": 9.9 * GB}, 0, updated=False) == [] and args.micro == 2
+    assert a.after_step({"rollout": 9.9 * GB}, 0, updated=False) == []
+    assert args.per_device_train_batch_size == 2
     sizes = [r["fit/to"] for s in range(10) for r in a.after_step(peaks(1.0), s)]
-    assert sizes == [4, 8, 16, 32, 64, 128] and args.micro == 128  # up to the whole batch
+    assert sizes == [4, 8, 16, 32, 64, 128] and args.per_device_train_batch_size == 128  # the batch
 
-    args = grpo.parse_args(["--memory_budget_gb", "10", "--per_device_train_batch_size", "1"])
-    a = KnobAdapter(args, "grpo")  # micro-batch at 1: the log-prob tile goes down instead
+    args = Knobs.given(
+        grpo.parse_args(["--memory_budget_gb", "10", "--per_device_train_batch_size", "1"])
+    )
+    a = KnobAdapter(
+        grpo.parse_args([]), args
+    )  # micro-batch at 1: the log-prob tile goes down instead
     rows = [r for s in range(5) for r in a.after_step(peaks(9.5), s)]
     assert [r["fit/to"] for r in rows] == [1024, 512, 256] and args.logprob_chunk_size == MIN_TILE
     assert {r["fit/knob"] for r in rows} == {"logprob_chunk_size"}
@@ -153,8 +162,9 @@ def test_adapter_lowers_above_the_high_water_mark_raises_far_below_never_back():
 
 def test_adapter_token_budget_and_ppo_phases():
     args = ppo.parse_args(["--memory_budget_gb", "4", "--max_tokens_per_microbatch", "2048"])
-    a = KnobAdapter(args, "ppo")
+    a = KnobAdapter(args, Knobs.given(args))
     (row,) = a.after_step({"logprobs": 3.9 * GB, "update": 1.0 * GB}, 1)
     assert row["fit/knob"] == "max_tokens_per_microbatch" and row["fit/to"] == 1024
     assert a.after_step({"logprobs": 0, "update": 0}, 2) == []  # 2048 crossed the mark
-    assert KnobAdapter(ppo.parse_args([]), "ppo").after_step({"update": 99 * GB}, 1) == []  # off
+    off = ppo.parse_args([])
+    assert KnobAdapter(off, Knobs.given(off)).after_step({"update": 99 * GB}, 1) == []  # off

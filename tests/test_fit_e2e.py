@@ -55,11 +55,18 @@ def test_adapting_run_equals_the_fixed_run(tmp_path):
 
 def test_ppo_adapting_run_equals_the_fixed_run(tmp_path):
     short = ["--max_steps", "3", "--prompts_per_rank", "4", "--num_generations", "2"]
-    short += ["--max_prompt_length", "16", "--micro_train_batch_size", "1", "--ppo_epochs", "1"]
+    short += [
+        "--max_prompt_length",
+        "16",
+        "--per_device_train_batch_size",
+        "1",
+        "--ppo_epochs",
+        "1",
+    ]
     _, fixed, none = run(tmp_path, "fixed", *short, algo="ppo")
     _, adapted, changes = run(tmp_path, "adapt", *short, "--memory_budget_gb", "100", algo="ppo")
     assert none == [] and [c["fit/to"] for c in changes] == [2, 4, 8]  # 8: after the last step
-    assert {c["fit/knob"] for c in changes} == {"micro_train_batch_size"}
+    assert {c["fit/knob"] for c in changes} == {"per_device_train_batch_size"}
     assert [r["reward"] for r in adapted] == [r["reward"] for r in fixed]
     a = load_file(tmp_path / "adapt" / "final" / "model.safetensors")
     b = load_file(tmp_path / "fixed" / "final" / "model.safetensors")

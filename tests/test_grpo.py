@@ -7,7 +7,9 @@ import os
 import pytest
 import torch
 
+import harness
 from conftest import torchrun
+from fit import Knobs
 from grpo import LOSS_TYPES, group_advantages, grpo_loss, loss_normalizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -325,22 +327,25 @@ def test_accumulation_equivalence_deepspeed(tiny_model, tmp_path):
     torchrun(os.path.join(HERE, "dist_grpo_accum.py"), tiny_model, tmp_path)
 
 
-def test_bad_input_fails_with_a_message_that_says_what_to_change():
+def test_bad_input_fails_with_a_message_that_says_what_to_change(tmp_path):
     from checks import RunError
     from grpo import parse_args
 
     for argv, msg in (
         (["--loss_type", "sum"], "choose one of"),
         (["--num_generations", "1"], ">= 2"),
-        (["--reward_weights", "1,2,3"], "3 values for 2 reward functions"),
-        (["--reward_funcs", "nosuchmodule:f"], "module:function"),
         (["--vllm_importance_cap", "2"], "needs --use_vllm"),
         (["--importance_sampling_level", "group"], "token"),
     ):
         with pytest.raises(RunError, match=msg):
             parse_args(argv)
-    args = parse_args(["--reward_funcs", "tasks:correct_reward", "--data", "x.jsonl"])
-    assert [f.__name__ for f in args.funcs] == ["correct_reward"] and args.weights == [1.0]
+    # the reward functions are loaded by the pre-flight (checks.check_inputs), one message each
+    for argv, msg in (
+        (["--reward_weights", "1,2,3"], "3 values for 2 reward functions"),
+        (["--reward_funcs", "nosuchmodule:f"], "module:function"),
+    ):
+        with pytest.raises(RunError, match=msg):
+            harness.before_torchrun(parse_args(argv + ["--run_dir", str(tmp_path)]), {})
     # the task, rewards, JSONL data and data order: tests/test_tasks.py; bad input end to end:
     # test_checks.py
 
@@ -382,16 +387,21 @@ def test_estimate_memory_flag_prints_the_estimate_and_exits(capsys, monkeypatch)
     assert 0 < max(tiny["phases"].values()) < 0.1 * GB
 
 
+def micro(args):
+    """The micro-batch size a run of these args starts with (fit.Knobs)."""
+    return Knobs.given(args).per_device_train_batch_size
+
+
 def test_recipe_sets_its_defaults_and_the_command_line_wins():
     """--recipe pretrained (what run.sh passes with MODEL) is RECIPES' values, one place."""
     import grpo
 
     plain = grpo.parse_args([])
     args = grpo.parse_args(["--recipe", "pretrained", "--eval_steps=7", "--learning_rate", "2e-6"])
-    for name, value in grpo.RECIPES["pretrained"].items():
+    for name, value in grpo.recipes.GRPO["pretrained"].items():
         want = {"eval_steps": 7, "learning_rate": 2e-6}.get(name, value)
         assert getattr(args, name) == want != getattr(plain, name)
-    assert args.micro == 4 and args.batch_size == 4 * args.num_generations
+    assert Knobs.given(args).per_device_train_batch_size == 4
     with pytest.raises(grpo.RunError, match="--recipe nope: choose one of pretrained"):
         grpo.parse_args(["--recipe", "nope"])
 
@@ -402,13 +412,13 @@ def test_smollm2_recipe_calls_its_model_and_data_only_when_not_given(tmp_path):
 
     args = grpo.parse_args(["--recipe", "smollm2-gsm8k", "--model", "m", "--data", "d.jsonl"])
     assert (args.model, args.data) == ("m", "d.jsonl")
-    assert args.use_vllm and args.reward_funcs == "rewards:math_reward" and args.micro == 2
+    assert args.use_vllm and args.reward_funcs == "rewards:math_reward" and micro(args) == 2
     assert (
         "--model smollm2.model_dir()" in grpo.Args.__dataclass_fields__["recipe"].metadata["help"]
     )
     args = grpo.parse_args(["--recipe", "smollm2-addition", "--model", "m", "--data", "d.jsonl"])
     assert (args.model, args.data) == ("m", "d.jsonl") and args.max_completion_length == 32
-    assert args.micro == 8 and args.learning_rate == 1e-5 and args.max_steps == 15
+    assert micro(args) == 8 and args.learning_rate == 1e-5 and args.max_steps == 15
     assert args.use_vllm and args.reward_funcs == "rewards:math_reward" and args.beta == 0
 
 
@@ -421,7 +431,7 @@ def test_smollm2_calculator_recipe_writes_its_problems_once(tmp_path, monkeypatc
     monkeypatch.setenv("LEAN_RL_CACHE", str(tmp_path))
     args = grpo.parse_args(["--recipe", "smollm2-calculator", "--model", "m"])
     assert (args.env, args.reward_funcs) == ("envs:calculator", "envs:calculator_reward")
-    assert (args.max_turns, args.max_completion_length, args.micro) == (3, 64, 8)
+    assert (args.max_turns, args.max_completion_length, micro(args)) == (3, 64, 8)
     assert args.use_vllm and args.temperature == 1.0 and args.num_eval_prompts == 100
     assert args.data == str(tmp_path / "calculator-2000-0.jsonl")
     with open(args.data) as f:

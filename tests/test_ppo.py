@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import ppo
 from conftest import torchrun
 from ppo import (
     gae,
@@ -225,7 +226,7 @@ def test_estimate_memory_flag_counts_critic_and_reward_model(capsys, monkeypatch
         num_generations=4,
         prompts_per_rank=32,
         reference_model=True,
-        loop="ppo",
+        phase_groups=ppo.PHASES,
     )
     extra = p["critic"] + p["reward_model"]
     for phase, v in est["phases"].items():
@@ -242,10 +243,14 @@ def test_recipes_set_their_defaults_and_the_command_line_wins(capsys):
 
     plain = ppo.parse_args([])
     args = ppo.parse_args(["--recipe", "pretrained", "--eval_steps=7", "--learning_rate", "2e-6"])
-    for name, value in ppo.RECIPES["pretrained"].items():
+    for name, value in ppo.recipes.PPO["pretrained"].items():
         want = {"eval_steps": 7, "learning_rate": 2e-6}.get(name, value)
         assert getattr(args, name) == want != getattr(plain, name)
-    assert args.critic_learning_rate == 9e-6 and args.micro_train_batch_size == 2
+    assert args.critic_learning_rate == 9e-6 and args.per_device_train_batch_size == 2
+    # the memory knobs' older names are the same flags, and win over the recipe like them
+    old = ["--recipe", "pretrained", "--micro_train_batch_size", "3", "--ref_offload", "True"]
+    args = ppo.parse_args(old)
+    assert args.per_device_train_batch_size == 3 and args.frozen_offload
     with pytest.raises(ppo.RunError, match="--recipe nope: choose one of pretrained, smollm2"):
         ppo.parse_args(["--recipe", "nope"])
     # --model and --data given: the recipe's functions (a download, a file written) never run
@@ -260,7 +265,7 @@ def test_recipes_set_their_defaults_and_the_command_line_wins(capsys):
     assert "smollm2-addition: --model smollm2.model_dir(), --data smollm2.addition_file()" in out
     # the addition recipe is the gsm8k one with its own data, lengths, LRs and steps
     args = ppo.parse_args(["--recipe", "smollm2-addition", "--model", "m", "--data", "d.jsonl"])
-    assert args.max_completion_length == 32 and args.micro_train_batch_size == 8
+    assert args.max_completion_length == 32 and args.per_device_train_batch_size == 8
     assert args.learning_rate == args.critic_learning_rate == 1e-5 and args.max_steps == 15
     assert args.use_vllm and args.kl_coef == 0 and args.ppo_epochs == 1
 

@@ -132,7 +132,7 @@ def test_two_ppo_steps_zero3_vllm_on_two_ranks(model_dir, sums, tmp_path):
         "2",
         "--max_completion_length",
         "24",
-        "--micro_train_batch_size",
+        "--per_device_train_batch_size",
         "4",
         "--num_eval_prompts",
         "4",
@@ -147,7 +147,7 @@ def test_two_ppo_steps_zero3_vllm_on_two_ranks(model_dir, sums, tmp_path):
         args = json.load(f)
     assert args["model"] == model_dir and args["data"] == str(sums)
     assert args["use_vllm"] and args["reward_funcs"] == "rewards:math_reward"
-    assert args["critic_learning_rate"] == 9e-6 and args["micro_train_batch_size"] == 4
+    assert args["critic_learning_rate"] == 9e-6 and args["per_device_train_batch_size"] == 4
     assert args["kl_coef"] == 0 and args["ppo_epochs"] == 1
     rows = conftest.train_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2], rows

@@ -29,7 +29,7 @@ SMALL = [
     "2",
     "--num_eval_prompts",
     "0",
-    "--micro_train_batch_size",
+    "--per_device_train_batch_size",
     "4",
     "--save_model",
     "False",

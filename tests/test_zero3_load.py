@@ -80,7 +80,7 @@ def test_grpo_first_step_same_as_full_load(tmp_path):
 def test_ppo_first_step_same_as_full_load(tmp_path):
     rm = build_tiny(str(tmp_path / "rm"), reward_model=True, chars=TASK_CHARS, seed=3)
     args = ("--reward_model", rm, "--prompts_per_rank", "4", "--num_generations", "2")
-    args += ("--micro_train_batch_size", "4")
+    args += ("--per_device_train_batch_size", "4")
     new = first_step("ppo", tmp_path / "new", True, *args)
     old = first_step("ppo", tmp_path / "old", False, *args)
     assert new["value_loss"] > 0
