@@ -259,38 +259,6 @@ def check_ranges(args):
             raise RunError(f"--{f.name} {value}: must be {describe_range(rule)}{why}")
 
 
-# ---- Recipes: named sets of defaults (recipes.py, a table per loop), a flag given wins
-# A value may be a function (smollm2.model_dir: a download), called only when its flag is not given.
-def recipe_help(recipes):
-    """--recipe's --help text: every recipe with its values, a function shown as module.name()."""
-
-    def shown(v):
-        return f"{v.__module__}.{v.__name__}()" if callable(v) else v
-
-    return "a named set of defaults, flags on the command line win; " + "; ".join(
-        f"{name}: " + ", ".join(f"--{k} {shown(v)}" for k, v in values.items())
-        for name, values in recipes.items()
-    )
-
-
-def apply_recipe(args, recipes, argv=None):
-    """args.recipe's values set on args, except the flags given in argv (default sys.argv[1:]);
-    then the ranges checked again. An unknown recipe is a RunError naming the known ones."""
-    if not args.recipe:
-        return
-    if args.recipe not in recipes:
-        raise RunError(f"--recipe {args.recipe}: choose one of {', '.join(recipes)}")
-    argv = sys.argv[1:] if argv is None else argv
-    given = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
-    for f in dataclasses.fields(args):  # an old name given is its field given
-        if given & {a[2:] for a in f.metadata.get("aliases", ())}:
-            given.add(f.name)
-    for name, value in recipes[args.recipe].items():
-        if name not in given:
-            setattr(args, name, value() if callable(value) else value)
-    check_ranges(args)
-
-
 # ---- Pre-flight: inputs, before any model is loaded or any step is taken -------------------------
 def check_inputs(args, rank, reward_model="", env=""):
     """The inputs both loops share, checked in order: the DeepSpeed JSON's shape (what this project

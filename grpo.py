@@ -35,7 +35,7 @@ import envs
 import harness
 import recipes
 from batching import all_cat, all_sum, forward_logps, make_batch, micro_batches, plan_micro_batches
-from checks import RunError, arg, entry_code, exit_process, recipe_help
+from checks import RunError, arg, entry_code, exit_process
 from data import batch_rows
 from fit import Knobs
 from generation import Generations, sampler_logp_gap
@@ -207,7 +207,7 @@ def vllm_importance_weights(batch, args):
 # ---- Configuration: GRPO's own fields (harness.RunArgs has the ones both loops share) -----------
 @dataclass
 class Args(harness.RunArgs):
-    recipe: str = arg("", recipe_help(recipes.GRPO))
+    recipe: str = arg("", recipes.recipe_help(recipes.GRPO))
     num_generations: int = arg(
         8, "G: completions per prompt", ">= 2", why="advantages compare completions within a group"
     )

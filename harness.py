@@ -48,7 +48,6 @@ from checkpoint import (
 from checks import (
     RunError,
     StepGuard,
-    apply_recipe,
     arg,
     check_attn_implementation,
     check_ds_config,
@@ -63,6 +62,7 @@ from fit import MEMORY_KNOBS, OOM_HINTS, KnobAdapter, estimate_run_memory, fit_t
 from generation import attn_implementation_for, generate_hf, unwrap_for_generation
 from logprobs import DEFAULT_CHUNK_SIZE
 from memory import MemoryLedger
+from recipes import apply_recipe
 from runlog import RunLog
 from tasks import score_completions
 from vllm_server import vllm_generator

@@ -45,7 +45,7 @@ from batching import (
     mini_batch_plans,
     plan_micro_batches,
 )
-from checks import RunError, arg, entry_code, exit_process, recipe_help
+from checks import RunError, arg, entry_code, exit_process
 from critic import build_critic, forward_values
 from data import batch_rows
 from fit import Knobs
@@ -166,7 +166,7 @@ def needs_old_logps(args):
 # ---- Configuration: PPO's own fields and defaults (harness.RunArgs: the shared ones) -----------
 @dataclass
 class Args(harness.RunArgs):
-    recipe: str = arg("", recipe_help(recipes.PPO))
+    recipe: str = arg("", recipes.recipe_help(recipes.PPO))
     run_dir: str = arg("runs/ppo", "metrics.jsonl, args, checkpoints, final model")
     reward_model: str = arg(
         "",

@@ -1,12 +1,16 @@
 """--recipe NAME: named sets of defaults for grpo.py and ppo.py, side by side; a flag given on the
-command line wins (checks.apply_recipe). Each loop's Args defaults fit the from-scratch tiny task;
+command line wins (apply_recipe, below). Each loop's Args defaults fit the from-scratch tiny task;
 run.sh passes --recipe pretrained with MODEL. A value may be a function (smollm2.model_dir: a
 download), called only when its flag is not given. What each recipe measured, and why its values:
 docs/real-model.md (SmolLM2), docs/envs.md (the calculator), docs/ppo.md (PPO against GRPO).
 """
 
+import dataclasses
+import sys
+
 import envs
 import smollm2
+from checks import RunError, check_ranges
 
 GRPO = {
     "pretrained": {  # a small LR, longer answers, a batch that fits beside a real model
@@ -107,3 +111,34 @@ PPO["smollm2-addition"] = {
     "max_steps": 15,
     "eval_steps": 5,
 }
+
+
+# ---- How a recipe is shown and applied ------------------------------------------------------
+def recipe_help(recipes):
+    """--recipe's --help text: every recipe with its values, a function shown as module.name()."""
+
+    def shown(v):
+        return f"{v.__module__}.{v.__name__}()" if callable(v) else v
+
+    return "a named set of defaults, flags on the command line win; " + "; ".join(
+        f"{name}: " + ", ".join(f"--{k} {shown(v)}" for k, v in values.items())
+        for name, values in recipes.items()
+    )
+
+
+def apply_recipe(args, recipes, argv=None):
+    """args.recipe's values set on args, except the flags given in argv (default sys.argv[1:]);
+    then the ranges checked again. An unknown recipe is a RunError naming the known ones."""
+    if not args.recipe:
+        return
+    if args.recipe not in recipes:
+        raise RunError(f"--recipe {args.recipe}: choose one of {', '.join(recipes)}")
+    argv = sys.argv[1:] if argv is None else argv
+    given = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
+    for f in dataclasses.fields(args):  # an old name given is its field given
+        if given & {a[2:] for a in f.metadata.get("aliases", ())}:
+            given.add(f.name)
+    for name, value in recipes[args.recipe].items():
+        if name not in given:
+            setattr(args, name, value() if callable(value) else value)
+    check_ranges(args)

@@ -238,7 +238,7 @@ def test_estimate_memory_flag_counts_critic_and_reward_model(capsys, monkeypatch
 
 def test_recipes_set_their_defaults_and_the_command_line_wins(capsys):
     """--recipe pretrained (what run.sh passes with MODEL) is RECIPES' values, through the same
-    checks.apply_recipe as grpo.py's; a flag given, in either form, wins; --help lists them."""
+    recipes.apply_recipe as grpo.py's; a flag given, in either form, wins; --help lists them."""
     import ppo
 
     plain = ppo.parse_args([])
