@@ -409,6 +409,7 @@ def ours_worker(spec, result):
 
     import checks
     import grpo
+    import harness
     import memory
 
     def timer(name, cond=None):
@@ -423,9 +424,9 @@ def ours_worker(spec, result):
 
         return make
 
-    # grpo.py imports these names at its top (from generation / batching import ...) and calls
-    # them as its module globals, so replacing grpo's attributes reaches every call.
-    wrap(grpo, "generate_hf", timer("generation"))
+    # grpo.py and harness.py import these names at their top (from generation / batching import
+    # ...) and call them as module globals, so replacing the attributes reaches every call.
+    wrap(harness, "generate_hf", timer("generation"))
     wrap(grpo, "batch_logps", timer("logprobs"))
     wrap(grpo, "forward_logps", timer("update_forward", torch.is_grad_enabled))
     wrap(DeepSpeedEngine, "backward", timer("update_backward"))
