@@ -35,7 +35,7 @@ from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
 from memory import GB, PRESETS, estimate_memory, format_table, model_shape, print_estimate
 from tasks import TASK_CHARS
 from tiny_models import llama_config
-from zero3_utils import all_max, comm_device
+from zero3_utils import all_max, all_reduce_
 
 # the loops' names for the same knob
 MICRO = {"grpo": "per_device_train_batch_size", "ppo": "micro_train_batch_size"}
@@ -362,10 +362,7 @@ class KnobAdapter:
             return []
         names = MICRO_PHASES[self.loop]
         peaks = torch.tensor([float(step_peaks.get(p, 0)) for p in names], dtype=torch.float64)
-        if dist.is_initialized():
-            peaks = peaks.to(comm_device())
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        peaks = dict(zip(names, peaks.cpu().tolist()))
+        peaks = dict(zip(names, all_reduce_(peaks, dist.ReduceOp.MAX).tolist()))
         hot = max(peaks, key=peaks.get)
         share = peaks[hot] / self.budget
         # a micro-batch larger than the batch is the whole batch

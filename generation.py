@@ -47,7 +47,7 @@ import torch.distributed as dist
 from zero3_utils import (
     _module,
     all_max,
-    comm_device,
+    all_reduce_,
     gathered,
     is_sharded,
     is_zero3,
@@ -72,11 +72,8 @@ def sampler_logp_gap(trainer_logps, gens):
     far above. trainer_logps (N*G, C), gens with the sampler's logprobs; collective."""
     mask = gens.completion_mask.float()  # (N*G, C)
     gap = (trainer_logps.float().cpu() - gens.logprobs).abs() * mask  # (N*G, C)
-    sums = torch.tensor([gap.sum(), mask.sum()], dtype=torch.float64, device=comm_device())
-    top = gap.max().reshape(1).to(comm_device())  # (1,)
-    if dist.is_initialized():
-        dist.all_reduce(sums)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    sums = all_reduce_(torch.tensor([gap.sum(), mask.sum()], dtype=torch.float64))  # (2,)
+    top = all_reduce_(gap.max().reshape(1), dist.ReduceOp.MAX)  # (1,)
     name = "sampling/sampling_logp_difference"
     return {f"{name}/mean": (sums[0] / sums[1].clamp(min=1)).item(), f"{name}/max": top.item()}
 
