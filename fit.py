@@ -109,6 +109,7 @@ def estimate_kwargs(args, loop, world):
     # a vLLM server (--vllm_mode server) runs on devices of its own: nothing on the trainer's
     colocated = args.use_vllm and args.vllm_mode == "colocate"
     kw.update(use_vllm=colocated, gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+    kw.update(vllm_server=args.use_vllm and args.vllm_mode == "server")  # the weight sync only
     if colocated and not cuda:
         kw["vllm_bytes"] = vllm_cpu_bytes(config)
     if loop == "grpo":

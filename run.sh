@@ -26,7 +26,8 @@
 #                any value (say "cpu") starts one vLLM CPU process. Adds --use_vllm True --vllm_mode
 #                server --vllm_server_url http://127.0.0.1:<free port>; the server's log is
 #                <run dir>/vllm_server.log; it is stopped when the run ends, fails or is interrupted.
-#                VLLM_SERVER_ARGS: more `vllm serve` flags (e.g. "--max-model-len 4096");
+#                The server gets the trainer's dtype (GPU) and --max-model-len prompt + completion
+#                from the pre-flight; VLLM_SERVER_ARGS: more `vllm serve` flags, after those (they win);
 #                VLLM_START_TIMEOUT: seconds to wait for it to answer (default 600)
 #   PREFLIGHT    0 skips the one-process check of every input before torchrun (default 1)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get, after SIGTERM or Ctrl-C, to finish their
@@ -141,12 +142,22 @@ if [[ -n ${VLLM_DEVICES:-} ]]; then
   [[ $GPUS -gt 0 ]] && tp=${#server_devs[@]}
   mkdir -p "$run_dir"
   trap stop_server EXIT
+  # The trainer's dtype and the run's longest sequence, from the pre-flight (checks.py,
+  # write_server_settings); VLLM_SERVER_ARGS come after them, so a flag given there wins.
+  settings=$run_dir/vllm_server.json serve_flags=()
+  setting() { python -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$settings" "$1"; }
+  if [[ -f $settings ]]; then
+    serve_flags=(--max-model-len "$(setting max_model_len)")
+    [[ $GPUS == 0 ]] || serve_flags+=(--dtype "$(setting dtype)")
+  else
+    echo "run.sh: PREFLIGHT=0: the vLLM server takes vLLM's own dtype and context length (set them in VLLM_SERVER_ARGS)" >&2
+  fi
   # shellcheck disable=SC2086   # VLLM_SERVER_ARGS: several flags in one string
   if [[ $GPUS -gt 0 ]]; then
-    CUDA_VISIBLE_DEVICES=$VLLM_DEVICES setsid python vllm_server.py "$model" "$port" 127.0.0.1 "$tp" ${VLLM_SERVER_ARGS:-} >"$server_log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$VLLM_DEVICES setsid python vllm_server.py "$model" "$port" 127.0.0.1 "$tp" "${serve_flags[@]}" ${VLLM_SERVER_ARGS:-} >"$server_log" 2>&1 &
     server=$!; export CUDA_VISIBLE_DEVICES; CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${train_devs[*]}")
   else   # CPU: fp32 as the CPU trainer (not the config's dtype); eager: starts without compiling
-    setsid python vllm_server.py "$model" "$port" 127.0.0.1 1 --dtype float32 --enforce-eager ${VLLM_SERVER_ARGS:-} >"$server_log" 2>&1 &
+    setsid python vllm_server.py "$model" "$port" 127.0.0.1 1 --dtype float32 --enforce-eager "${serve_flags[@]}" ${VLLM_SERVER_ARGS:-} >"$server_log" 2>&1 &
     server=$!
   fi
   echo "$server" > "$run_dir/vllm_server.pid"
