@@ -9,7 +9,8 @@ Public API
     server_argv(model, port, host="127.0.0.1", tensor_parallel_size=1, extra=()) -> argv
         vLLM server arguments; `python vllm_server.py MODEL PORT HOST TP [flags]` runs it (run.sh)
     VLLMServerGenerator(base_url, vllm_batch_size=0, seed=0, pad_token_id=0, log_file="",
-                        timeout=3600.0, wait=60.0, sync_timeout=1800.0)
+                        timeout=3600.0, wait=60.0, sync_timeout=1800.0, packed_bytes=0,
+                        transfer_address=None)
         the same methods as generation.VLLMGenerator, so the loops use either unchanged:
         .generate(prompts, num_generations=1, max_new_tokens=64, temperature=1.0, top_p=1.0,
                   top_k=0, greedy=False) -> Generations (with the sampler's logprobs)
@@ -33,8 +34,9 @@ The weights go through vLLM's own API: its trainer engine (NCCL on GPUs; on CPU 
 vllm_transfer.py) opens a group of rank 0 and the server's workers at the first sync; each sync is
 /start_weight_update, /update_weights while rank 0 broadcasts each parameter as iter_full_params
 gathers it, /finish_weight_update with the weight version. Peak extra memory: one gathered group on
-the training ranks, one parameter on each worker (unpacked) or vLLM's packed buffers (NCCL). A
-server that dies or fails an update mid-sync ends the run with exit 6, never a hang (_watchdog).
+the training ranks, one parameter on each worker (unpacked, NCCL too unless packed_bytes > 0:
+vllm_transfer.packing). A server that dies or fails the handshake or an update ends the run with
+exit 6, never a hang (_watchdog).
 """
 
 import os

@@ -1,7 +1,7 @@
 """The training weights into a vLLM server through vLLM's own weight-transfer API: its HTTP routes
 (/init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update),
 its trainer-side engines and its client, with ZeRO-3 weights as the source. On GPUs that is
-vLLM's NCCL engine unchanged; on CPU the same engine with gloo in place of NCCL, registered here
+vLLM's NCCL engine, unchanged; on CPU the same engine with gloo in place of NCCL, registered here
 under "gloo" in vLLM's two factories, so a CPU run makes the same requests, handshake and error
 paths a GPU run does. Imports vLLM (import this file only where vLLM is used), zero3_utils.py and
 generation.py; vllm_server.py drives it.
@@ -24,7 +24,8 @@ Public API
         this file as the workers' extension, which registers "gloo" before the model loads
 
 The gloo engine sends one tensor per broadcast (vLLM's packed path runs on CUDA streams), and
-loads each as it arrives through vLLM's layerwise reload, as vLLM's NCCL engine does unpacked.
+loads each as it arrives through vLLM's layerwise reload, as vLLM's NCCL engine does unpacked,
+which is how connect() opens it on GPUs unless asked to pack (packing()).
 """
 
 import ipaddress
