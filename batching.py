@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from logprobs import model_logps
-from zero3_utils import all_max, comm_device
+from zero3_utils import all_max, all_reduce_, comm_device
 
 
 # ---- Rollouts to a batch ------------------------------------------------------------------------
@@ -285,9 +285,7 @@ def all_sum(values):
     group)."""
     if not dist.is_initialized():
         return [float(v) for v in values]
-    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    dist.all_reduce(t)
-    return t.tolist()
+    return all_reduce_(torch.tensor(values, dtype=torch.float64)).tolist()
 
 
 def all_cat(t):

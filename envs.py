@@ -2,7 +2,8 @@
 user) until it is done. The sampled token ids are kept exactly as sampled (never decoded and
 encoded again); only the environment's turns are tokenized, as the chat template's text between
 the end of the assistant turn and the next assistant prompt. The loss mask is 1 on sampled
-tokens and 0 on the environment's. Imports batching.py (the prompts).
+tokens and 0 on the environment's. Imports batching.py (the prompts) and zero3_utils.py (a max
+over ranks).
 
 An environment is a plain object that `--env module:factory` names; factory() makes one per
 conversation:
@@ -41,9 +42,9 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from batching import encode_prompts
+from zero3_utils import all_max
 
 
 class EnvError(RuntimeError):
@@ -167,10 +168,7 @@ def rollout(
     stops = set(stop_ids)
     for turn in range(max_turns):
         live = [i for i in range(B) if not done[i]]
-        more = torch.tensor([len(live)])
-        if dist.is_initialized():
-            dist.all_reduce(more, op=dist.ReduceOp.MAX)  # a collective generate: all ranks call
-        if int(more) == 0:
+        if all_max(len(live)) == 0:  # a collective generate: every rank calls until all are done
             break
         batch = [prompt_ids[i // G] + ids[i] for i in live] or [prompt_ids[0]]
         budget = max((C - len(ids[i]) for i in live), default=1)

@@ -43,7 +43,7 @@ from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
 from memory import GB, PRESETS, estimate_memory, format_table, model_shape, print_estimate
 from tasks import TASK_CHARS
 from tiny_models import llama_config
-from zero3_utils import all_max, comm_device
+from zero3_utils import all_max, all_reduce_
 
 # the ledger's phases that micro-batches and the log-prob tile drive (the loops' names; a phase a
 # loop does not have peaks at 0)
@@ -80,8 +80,10 @@ _MICRO = "lower --per_device_train_batch_size or set --max_tokens_per_microbatch
 # the ledger's phases (both loops') -> the knobs that lower its peak, for the out-of-memory message
 # (docs/troubleshooting.md, "Out of memory")
 OOM_HINTS = {
-    "weight_sync": "lower --vllm_gpu_memory_utilization (vLLM's pool shares the GPU with the "
-    "gathered weights), or --vllm_mode server (vLLM on devices of its own)",
+    "weight_sync": "colocated vLLM: lower --vllm_gpu_memory_utilization (vLLM's pool shares the "
+    "GPU with the gathered weights); either mode: the sync gathers one group of at most 2**26 "
+    "parameters (or the largest one) beside this rank's training states, so "
+    "DS_CONFIG=configs/zero3_offload.json or more ranks lower it",
     "rollout": "HF generation: lower --generation_batch_size, or --gather_for_generation False "
     "(layer by layer; --generation_resident_gb between the two); vLLM: lower --vllm_batch_size "
     "or --vllm_gpu_memory_utilization; or a shorter --max_completion_length",
@@ -186,6 +188,7 @@ def estimate_kwargs(args, world, models, knobs=None):
     # a vLLM server (--vllm_mode server) runs on devices of its own: nothing on the trainer's
     colocated = args.use_vllm and args.vllm_mode == "colocate"
     kw.update(use_vllm=colocated, gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+    kw.update(vllm_server=args.use_vllm and args.vllm_mode == "server")  # the weight sync only
     if colocated and not cuda:
         kw["vllm_bytes"] = vllm_cpu_bytes(config)
     return kw
@@ -433,10 +436,7 @@ class KnobAdapter:
             return []
         names = DRIVEN_PHASES
         peaks = torch.tensor([float(step_peaks.get(p, 0)) for p in names], dtype=torch.float64)
-        if dist.is_initialized():
-            peaks = peaks.to(comm_device())
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        peaks = dict(zip(names, peaks.cpu().tolist()))
+        peaks = dict(zip(names, all_reduce_(peaks, dist.ReduceOp.MAX).tolist()))
         hot = max(peaks, key=peaks.get)
         share = peaks[hot] / self.budget
         # a micro-batch larger than the batch is the whole batch

@@ -25,6 +25,9 @@ Public API
     sampler_logp_gap(trainer_logps, gens) -> {sampling/sampling_logp_difference/mean, .../max}
         |trainer - sampler| log-prob over every rank's completion tokens (collective)
     attn_implementation_for(model_path, requested)   "eager" under an attention soft-cap
+    cpu_scheduler_kwargs(max_model_len, tp) / gpu_scheduler_kwargs(max_model_len, max_num_seqs)
+        vLLM's scheduler settings for this run: whole-prompt prefill on CPU; on GPU the
+        sequences and token budget sized from the run, not vLLM's defaults for a large GPU
     Generations: completion_ids (N*G, C) long, pad after EOS; completion_mask (N*G, C) long, 1 up to
         and including EOS; logprobs (N*G, C) float or None. Row i*G + g is prompt i's g-th sample.
 
@@ -47,7 +50,7 @@ import torch.distributed as dist
 from zero3_utils import (
     _module,
     all_max,
-    comm_device,
+    all_reduce_,
     gathered,
     is_sharded,
     is_zero3,
@@ -72,11 +75,8 @@ def sampler_logp_gap(trainer_logps, gens):
     far above. trainer_logps (N*G, C), gens with the sampler's logprobs; collective."""
     mask = gens.completion_mask.float()  # (N*G, C)
     gap = (trainer_logps.float().cpu() - gens.logprobs).abs() * mask  # (N*G, C)
-    sums = torch.tensor([gap.sum(), mask.sum()], dtype=torch.float64, device=comm_device())
-    top = gap.max().reshape(1).to(comm_device())  # (1,)
-    if dist.is_initialized():
-        dist.all_reduce(sums)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    sums = all_reduce_(torch.tensor([gap.sum(), mask.sum()], dtype=torch.float64))  # (2,)
+    top = all_reduce_(gap.max().reshape(1), dist.ReduceOp.MAX)  # (1,)
     name = "sampling/sampling_logp_difference"
     return {f"{name}/mean": (sums[0] / sums[1].clamp(min=1)).item(), f"{name}/max": top.item()}
 
@@ -284,6 +284,24 @@ def cpu_scheduler_kwargs(max_model_len, tensor_parallel_size=1):
         enable_chunked_prefill=False,
         max_num_batched_tokens=max(4096 * tensor_parallel_size, max_model_len),
     )
+
+
+def gpu_scheduler_kwargs(max_model_len, max_num_seqs):
+    """vLLM's scheduler sized for this run on GPU instead of `LLM`'s defaults for the device (vLLM
+    0.32, EngineArgs.get_batch_defaults: 16,384 batched tokens and 1,024 sequences on an H100 or
+    H200, 8,192 and 256 below 70 GB). vLLM's start-up profiles a forward of max_num_batched_tokens
+    tokens and keeps that activation peak out of the KV cache it fits inside
+    gpu_memory_utilization, so an oversized budget takes colocated memory for nothing (TRL pins
+    4,096: trl/generation/vllm_generation.py). max_num_seqs: the most sequences one generate call
+    brings (prompts x generations, for the whole tensor-parallel group; more wait their turn);
+    the token budget: those sequences' full lengths, at most 4,096 (chunked prefill, vLLM's GPU
+    default, splits longer prompts), at least max_num_seqs (vLLM requires it). CPU: nothing
+    (cpu_scheduler_kwargs)."""
+    if not torch.cuda.is_available() or not (max_model_len and max_num_seqs):
+        return {}
+    seqs = max(1, min(1024, int(max_num_seqs)))
+    tokens = max(seqs, min(4096, seqs * max_model_len))
+    return dict(max_num_seqs=seqs, max_num_batched_tokens=tokens)
 
 
 class VLLMGenerator:

@@ -349,6 +349,8 @@ def estimate_memory(
     critic_config=None,
     reward_config=None,
     phase_groups=None,
+    vllm_server=False,
+    packed_bytes=0,
 ):
     """Predicted peak bytes per GPU for each phase of the loop, and the pieces they are made of.
 
@@ -361,6 +363,9 @@ def estimate_memory(
     phase_groups {phase: (estimate phases...)}: a loop whose ledger names its phases otherwise
     (ppo.py: one "logprobs" phase for old, reference, values and rewards; the optimizer steps
     inside "update") gets each of its phases as the largest of its group.
+    vllm_server: a vLLM server (--vllm_mode server) takes the weights (its weight_sync phase: the
+    gathered group, and with packed_bytes > 0 the NCCL transfer's packed buffers,
+    vllm_transfer.packing).
     Returns {"phases": {phase: bytes}, "pieces": {piece: bytes}, "cpu": offloaded bytes per rank,
     "highest": phase, "params": N}.
     """
@@ -438,9 +443,16 @@ def estimate_memory(
     # level-1 sleep frees vLLM's weights and KV cache on GPU
     v_train = 0 if vllm_sleep else vllm_share
     phases = {}
+    # the weight sync gathers one group of at most max(2**26 elements, the largest parameter) at a
+    # time (zero3_utils.iter_full_params); a server's packed NCCL transfer holds ~3 of its buffers
+    # more on rank 0 (vllm_transfer.packing; unpacked, 0, by default)
+    group = max(2**26, largest) * b
+    if vllm_server:  # its devices are its own: nothing of vLLM on the trainer's
+        p["transfer_buffers"] = 3 * packed_bytes
+        phases["weight_sync"] = resident + p["zero3_live"] + group + p["transfer_buffers"]
     if use_vllm:
         phases["rollout"] = resident + vllm_share
-        phases["weight_sync"] = resident + vllm_share + p["zero3_live"] + max(2**26, largest) * b
+        phases["weight_sync"] = resident + vllm_share + p["zero3_live"] + group
     else:
         prefill = A * seqs * (seq_len - completion_len)
         phases["rollout"] = (

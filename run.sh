@@ -9,9 +9,11 @@
 #
 # Environment:
 #   NPROC        processes per node (default: the number of GPUs (those in CUDA_VISIBLE_DEVICES when
-#                it is set), or 2 on a CPU-only machine)
+#                it is set), or 2 on a CPU-only machine; more than the GPUs: exit 2); each gets
+#                OMP_NUM_THREADS = the cores / NPROC unless it is set (CPU and GPU)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT    several nodes: run this on each with its NODE_RANK
-#                and the same RUN_DIR on a shared filesystem
+#                and the same RUN_DIR on a shared filesystem. One node without MASTER_PORT: a free
+#                port, so several runs share a machine; a MASTER_PORT already taken: exit 2
 #   DS_CONFIG    DeepSpeed JSON (default configs/zero3.json; also zero2.json, zero3_offload.json);
 #                "auto" values in it are filled from the script's arguments
 #   MODEL, DATA  hub id or path of the policy; --data: a JSONL/JSON/CSV/parquet file of {"prompt":
@@ -24,14 +26,16 @@
 #                any value (say "cpu") starts one vLLM CPU process. Adds --use_vllm True --vllm_mode
 #                server --vllm_server_url http://127.0.0.1:<free port>; the server's log is
 #                <run dir>/vllm_server.log; it is stopped when the run ends, fails or is interrupted.
-#                VLLM_SERVER_ARGS: more `vllm serve` flags (e.g. "--max-model-len 4096");
+#                The server gets the trainer's dtype (GPU) and --max-model-len prompt + completion
+#                from the pre-flight; VLLM_SERVER_ARGS: more `vllm serve` flags, after those (they win);
 #                VLLM_START_TIMEOUT: seconds to wait for it to answer (default 600)
 #   PREFLIGHT    0 skips the one-process check of every input before torchrun (default 1)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get, after SIGTERM or Ctrl-C, to finish their
 #                step and save a checkpoint before torchrun kills them (default here 300; torch's: 30)
 #
-# Exit codes: 0 the run finished; 2 bad input (from the pre-flight check, nothing ran); 5 stopped by
-# SIGTERM or Ctrl-C after finishing a step and saving its checkpoint (continue with --resume True);
+# Exit codes: 0 the run finished; 2 bad input (from the pre-flight check or a taken MASTER_PORT,
+# nothing ran); 5 stopped by SIGTERM or Ctrl-C after finishing a step and saving its checkpoint
+# (continue with --resume True);
 # once torchrun runs, it exits 1 when a rank fails and its summary shows the rank's code: 2 bad input
 # (e.g. a reward function that raised), 3 training diverged (non-finite steps in a row), 4 out of
 # memory (the message names the phase and the knob); run.sh itself exits 4 when the kernel killed a
@@ -60,14 +64,20 @@ if [[ -n ${VLLM_DEVICES:-} && $GPUS -gt 0 ]]; then   # training keeps the GPUs t
   GPUS=${#train_devs[@]}
 fi
 NPROC=${NPROC:-$(( GPUS > 0 ? GPUS : 2 ))}
-[[ $GPUS == 0 ]] || echo "run.sh: $NPROC processes per node, $GPUS GPUs for training" >&2
+if [[ $GPUS -gt 0 && $NPROC -gt $GPUS ]]; then   # else rank $GPUS fails late, in set_device
+  echo "run.sh: error: NPROC=$NPROC processes but $GPUS GPUs for training (one rank per GPU):" \
+       "set NPROC to at most $GPUS, or make more GPUs visible (CUDA_VISIBLE_DEVICES, VLLM_DEVICES)" >&2
+  exit 2
+fi
+# Split the cores between the processes instead of oversubscribing them, on GPU too: torchrun sets
+# OMP_NUM_THREADS=1 when it is unset, which leaves DeepSpeedCPUAdam (configs/zero3_offload.json)
+# stepping the offloaded optimizer on one core per rank.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
+[[ $GPUS == 0 ]] ||
+  echo "run.sh: $NPROC processes per node, $GPUS GPUs for training, $OMP_NUM_THREADS CPU threads each" >&2
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # less fragmentation with changing sequence lengths
 export TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
-if [[ $GPUS == 0 ]]; then
-  # CPU: split the cores between the processes instead of oversubscribing them; small vLLM KV cache.
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
-  export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-fi
+[[ $GPUS != 0 ]] || export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}   # CPU: a small KV cache
 
 run_dir=${RUN_DIR:-runs/$ALGO-$(date +%Y%m%d-%H%M%S)}
 args=(--ds_config "${DS_CONFIG:-configs/zero3.json}" --run_dir "$run_dir")
@@ -93,6 +103,23 @@ for a in "$@"; do
     LOCAL_WORLD_SIZE=$NPROC WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) exec python "$ALGO.py" "${args[@]}" "$@"
   fi
 done
+# The rendezvous port torchrun's store listens on (this node is the master when NODE_RANK is 0). One
+# given in MASTER_PORT is checked here, before the pre-flight; without it, one node picks a free one
+# just before torchrun starts, so two runs on one machine do not meet on torch's default 29500.
+port_free() {   # SO_REUSEADDR as torch's store: a port left in TIME_WAIT by the last run is free
+  python -c 'import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try: s.bind(("", int(sys.argv[1])))
+except OSError: sys.exit(1)' "$1"
+}
+port_taken() {
+  echo "run.sh: error: MASTER_PORT=$1 is taken on this machine (another run's rendezvous?): unset" \
+       "MASTER_PORT to let run.sh pick a free port (one node), or set another" >&2
+  exit 2
+}
+if [[ -n ${MASTER_PORT:-} && ${NODE_RANK:-0} == 0 ]]; then
+  port_free "$MASTER_PORT" || port_taken "$MASTER_PORT"
+fi
 if [[ ${PREFLIGHT:-1} != 0 ]]; then
   LOCAL_WORLD_SIZE=$NPROC WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) python "$ALGO.py" "${args[@]}" "$@" --preflight True || exit $?
 fi
@@ -115,12 +142,22 @@ if [[ -n ${VLLM_DEVICES:-} ]]; then
   [[ $GPUS -gt 0 ]] && tp=${#server_devs[@]}
   mkdir -p "$run_dir"
   trap stop_server EXIT
+  # The trainer's dtype and the run's longest sequence, from the pre-flight (checks.py,
+  # write_server_settings); VLLM_SERVER_ARGS come after them, so a flag given there wins.
+  settings=$run_dir/vllm_server.json serve_flags=()
+  setting() { python -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$settings" "$1"; }
+  if [[ -f $settings ]]; then
+    serve_flags=(--max-model-len "$(setting max_model_len)")
+    [[ $GPUS == 0 ]] || serve_flags+=(--dtype "$(setting dtype)")
+  else
+    echo "run.sh: PREFLIGHT=0: the vLLM server takes vLLM's own dtype and context length (set them in VLLM_SERVER_ARGS)" >&2
+  fi
   # shellcheck disable=SC2086   # VLLM_SERVER_ARGS: several flags in one string
   if [[ $GPUS -gt 0 ]]; then
-    CUDA_VISIBLE_DEVICES=$VLLM_DEVICES setsid python vllm_server.py "$model" "$port" 127.0.0.1 "$tp" ${VLLM_SERVER_ARGS:-} >"$server_log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$VLLM_DEVICES setsid python vllm_server.py "$model" "$port" 127.0.0.1 "$tp" "${serve_flags[@]}" ${VLLM_SERVER_ARGS:-} >"$server_log" 2>&1 &
     server=$!; export CUDA_VISIBLE_DEVICES; CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${train_devs[*]}")
   else   # CPU: fp32 as the CPU trainer (not the config's dtype); eager: starts without compiling
-    setsid python vllm_server.py "$model" "$port" 127.0.0.1 1 --dtype float32 --enforce-eager ${VLLM_SERVER_ARGS:-} >"$server_log" 2>&1 &
+    setsid python vllm_server.py "$model" "$port" 127.0.0.1 1 --dtype float32 --enforce-eager "${serve_flags[@]}" ${VLLM_SERVER_ARGS:-} >"$server_log" 2>&1 &
     server=$!
   fi
   echo "$server" > "$run_dir/vllm_server.pid"
@@ -143,6 +180,11 @@ fi
 # checkpoint was written, so a job script can requeue the run with --resume True.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 rm -f "$run_dir"/memory_phase.rank*   # each rank's phase now (memory.MemoryLedger); read at the end
+if [[ -z ${MASTER_PORT:-} && ${NNODES:-1} == 1 ]]; then
+  MASTER_PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+elif [[ ${NODE_RANK:-0} == 0 ]]; then   # taken since the check above (a run started meanwhile)
+  port_free "${MASTER_PORT:-29500}" || port_taken "${MASTER_PORT:-29500}"
+fi
 set -x   # torchrun in a session of its own: a signal reaches it once, from the traps below
 setsid python -m torch.distributed.run --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
   --nproc_per_node "$NPROC" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \

@@ -9,7 +9,8 @@ Public API
     server_argv(model, port, host="127.0.0.1", tensor_parallel_size=1, extra=()) -> argv
         vLLM server arguments; `python vllm_server.py MODEL PORT HOST TP [flags]` runs it (run.sh)
     VLLMServerGenerator(base_url, vllm_batch_size=0, seed=0, pad_token_id=0, log_file="",
-                        timeout=3600.0, wait=60.0, sync_timeout=1800.0)
+                        timeout=3600.0, wait=60.0, sync_timeout=1800.0, packed_bytes=0,
+                        transfer_address=None)
         the same methods as generation.VLLMGenerator, so the loops use either unchanged:
         .generate(prompts, num_generations=1, max_new_tokens=64, temperature=1.0, top_p=1.0,
                   top_k=0, greedy=False) -> Generations (with the sampler's logprobs)
@@ -33,20 +34,21 @@ The weights go through vLLM's own API: its trainer engine (NCCL on GPUs; on CPU 
 vllm_transfer.py) opens a group of rank 0 and the server's workers at the first sync; each sync is
 /start_weight_update, /update_weights while rank 0 broadcasts each parameter as iter_full_params
 gathers it, /finish_weight_update with the weight version. Peak extra memory: one gathered group on
-the training ranks, one parameter on each worker (unpacked) or vLLM's packed buffers (NCCL). A
-server that dies or fails an update mid-sync ends the run with exit 6, never a hang (_watchdog).
+the training ranks, one parameter on each worker (unpacked, NCCL too unless packed_bytes > 0:
+vllm_transfer.packing). A server that dies or fails the handshake or an update ends the run with
+exit 6, never a hang (_watchdog).
 """
 
 import os
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 
-from generation import Generations, VLLMGenerator, _stack_right_padded
+from generation import Generations, VLLMGenerator, _stack_right_padded, gpu_scheduler_kwargs
 from zero3_utils import process_rank
 
 
@@ -70,6 +72,8 @@ class VLLMServerGenerator:
         timeout=3600.0,
         wait=60.0,
         sync_timeout=1800.0,
+        packed_bytes=0,
+        transfer_address=None,
     ):
         import requests  # vLLM's own dependency
 
@@ -84,6 +88,9 @@ class VLLMServerGenerator:
         self.transfer = self.client = None  # vLLM's trainer engine and client, at the first sync
         self.syncs = 0
         self.sync_timeout = sync_timeout
+        # NCCL's wire format (vllm_transfer.packing: unpacked for 0) and where the server's
+        # workers reach rank 0 (vllm_transfer.rendezvous_address when None)
+        self.packed_bytes, self.transfer_address = packed_bytes, transfer_address
         self.last_sync_seconds = 0.0
         deadline = time.time() + wait  # run.sh waited already; a direct start may still be loading
         while True:
@@ -170,7 +177,14 @@ class VLLMServerGenerator:
             workers = len(self._request("post", "/collective_rpc", json=body)["results"])
         try:
             self.transfer, self.client = vllm_transfer.connect(
-                self.url, model_or_engine, self.rank, workers, self.sync_timeout, max_numel
+                self.url,
+                model_or_engine,
+                self.rank,
+                workers,
+                self.sync_timeout,
+                max_numel,
+                self.packed_bytes,
+                self.transfer_address,
             )
         except Exception as e:  # requests' or the group's errors: say whether the server is gone
             self._request("get", "/health", timeout=10)
@@ -191,7 +205,11 @@ class VLLMServerGenerator:
             # so a request still in flight would never return and its rank never join the gathers
             dist.barrier()
         if self.transfer is None:
-            self._connect(model_or_engine, max_numel)
+            # rank 0's handshake: NCCL's init and vLLM's warm-up all-reduce have no timeout of
+            # their own, so the watchdog's clock and /health end a failed one (exit 6), as a sync
+            watch = self._watchdog("the weight transfer's handshake")
+            with watch if self.rank == 0 else nullcontext():
+                self._connect(model_or_engine, max_numel)
         self.syncs += 1
         self.transfer.source = vllm_transfer.ZeRO3Weights(model_or_engine, max_numel)
         if self.rank == 0:
@@ -209,7 +227,15 @@ class VLLMServerGenerator:
                         f"log: {self.log_file}"
                     ) from None
             # KV blocks of the old weights, the frozen requests' too: they recompute theirs
-            self._request("post", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+            reset = self._request(
+                "post", "/reset_prefix_cache", params={"reset_running_requests": "true"}
+            )
+            if not (reset or {}).get("success", False):  # vLLM answers 200 with success false
+                raise ServerError(
+                    f"the vLLM server at {self.url} did not reset its prefix cache after a weight "
+                    f"sync (it answered {reset}): its cached KV blocks hold the old weights' "
+                    f"values; its log: {self.log_file}"
+                )
             self._request("post", "/resume")
         else:
             self.transfer.send_weights()
@@ -222,29 +248,32 @@ class VLLMServerGenerator:
         return self._request("get", "/weight_info", timeout=10)["weight_version"]
 
     @contextmanager
-    def _watchdog(self, grace_s=10.0):
-        """Rank 0 while it sends. A broadcast whose receivers died or left (a failed update)
-        blocks, under NCCL forever, and cannot be interrupted; so a thread watches the server
-        (/health and the update's own request) and the clock, and when the server failed for
-        grace_s, or the sync ran past sync_timeout, prints why and ends this process with exit 6
-        (torchrun then stops the other ranks). Gloo's broadcast fails by itself when a peer
-        goes away, and sync_weights reports that first."""
+    def _watchdog(self, what="the weight sync", grace_s=10.0):
+        """Rank 0 while it opens the transfer group and while it sends. A broadcast whose
+        receivers died or left (a failed update), and NCCL's handshake with a peer that never
+        joins, block, under NCCL forever, and cannot be interrupted; so a thread watches the
+        server (/health and the update's own request) and the clock, and when the server failed
+        for grace_s, or `what` ran past sync_timeout, prints why and ends this process with exit
+        6 (torchrun then stops the other ranks). Gloo fails by itself when a peer goes away or
+        its timeout passes, and sync_weights reports that first."""
         stop, start = threading.Event(), time.time()
 
         def watch():
             failed_at = None
             while not stop.wait(1.0):
-                try:
-                    error = self.client.error or self._request("get", "/health", timeout=10)
+                try:  # no client yet during the handshake (vllm_transfer.connect returns it)
+                    error = getattr(self.client, "error", None) or self._request(
+                        "get", "/health", timeout=10
+                    )
                 except ServerError as e:
                     error = str(e)
                 if time.time() - start > self.sync_timeout:
-                    error = f"the weight sync did not finish within {self.sync_timeout:.0f} s"
+                    error = f"{what} did not finish within {self.sync_timeout:.0f} s"
                 failed_at = (failed_at or time.time()) if error else None
                 if failed_at and time.time() - failed_at >= grace_s and not stop.is_set():
                     print(
-                        f"[rank 0] error: the vLLM server at {self.url} failed during a weight "
-                        f"sync ({error}); its log: {self.log_file}",
+                        f"[rank 0] error: the vLLM server at {self.url} failed during {what} "
+                        f"({error}); its log: {self.log_file}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -277,6 +306,10 @@ def vllm_generator(args, model_path, dtype, max_model_len, pad_token_id):
             pad_token_id=pad_token_id,
             log_file=os.path.join(args.run_dir, "vllm_server.log"),  # where run.sh writes it
         )
+    # one call's sequences: this rank's prompts (or a vllm_batch_size chunk of them) x G, for
+    # every rank of the tensor-parallel group that shares the engine
+    prompts = args.vllm_batch_size or args.prompts_per_rank
+    seqs = args.vllm_tensor_parallel_size * prompts * args.num_generations
     return VLLMGenerator(
         model_path,
         tensor_parallel_size=args.vllm_tensor_parallel_size,
@@ -285,6 +318,7 @@ def vllm_generator(args, model_path, dtype, max_model_len, pad_token_id):
         seed=args.seed,
         max_model_len=max_model_len,
         dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+        **gpu_scheduler_kwargs(max_model_len, seqs),
     )
 
 

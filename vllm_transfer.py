@@ -1,16 +1,21 @@
 """The training weights into a vLLM server through vLLM's own weight-transfer API: its HTTP routes
 (/init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update),
 its trainer-side engines and its client, with ZeRO-3 weights as the source. On GPUs that is
-vLLM's NCCL engine unchanged; on CPU the same engine with gloo in place of NCCL, registered here
+vLLM's NCCL engine, unchanged; on CPU the same engine with gloo in place of NCCL, registered here
 under "gloo" in vLLM's two factories, so a CPU run makes the same requests, handshake and error
 paths a GPU run does. Imports vLLM (import this file only where vLLM is used), zero3_utils.py and
 generation.py; vllm_server.py drives it.
 
 Public API
-    connect(base_url, model_or_engine, rank, workers, timeout_s, max_numel=2**26)
+    connect(base_url, model_or_engine, rank, workers, timeout_s, max_numel=2**26,
+            packed_bytes=0, address=None)
         -> (trainer engine, Client). Every training rank calls it once (rank 0 is the sender:
         it opens the group with the server's `workers` and sends; the others take part in the
-        ZeRO-3 gathers only); then `engine.send_weights()` on every rank per sync.
+        ZeRO-3 gathers only); then `engine.send_weights()` on every rank per sync. NCCL:
+        unpacked unless packed_bytes > 0 (packing()); address: where the workers reach rank 0
+        (default rendezvous_address(base_url))
+    rendezvous_address(base_url)   127.0.0.1 for a local server, else rank 0's address
+    packing(packed_bytes)   NCCL's wire settings: unpacked for 0, else vLLM's packed buffers
     Client(base_url, timeout_s)   vLLM's HTTP client; `.version` goes with every finished
         update (the server's /weight_info), `.error` keeps the first failed request
     ZeRO3Weights(model_or_engine, max_numel)   a vLLM WeightSource over iter_full_params: names,
@@ -19,14 +24,19 @@ Public API
         this file as the workers' extension, which registers "gloo" before the model loads
 
 The gloo engine sends one tensor per broadcast (vLLM's packed path runs on CUDA streams), and
-loads each as it arrives through vLLM's layerwise reload, as vLLM's NCCL engine does unpacked.
+loads each as it arrives through vLLM's layerwise reload, as vLLM's NCCL engine does unpacked,
+which is how connect() opens it on GPUs unless asked to pack (packing()).
 """
 
+import ipaddress
 import json
+import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import ClassVar
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -189,12 +199,25 @@ class Client(HTTPVLLMWeightSyncClient):
         super().finish_weight_update(self.version if weight_version is None else weight_version)
 
 
-def connect(base_url, model_or_engine, rank, workers, timeout_s, max_numel=2**26):
-    host = base_url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
+def connect(
+    base_url,
+    model_or_engine,
+    rank,
+    workers,
+    timeout_s,
+    max_numel=2**26,
+    packed_bytes=0,
+    address=None,
+):
+    # the group's store is hosted by its rank 0, training rank 0 (vLLM's trainer engine binds it):
+    # the server's workers connect to this process, not the other way round
+    address = address or rendezvous_address(base_url)
     port = _free_port() if rank == 0 else 0  # only the sender's are used
-    common = dict(master_address=host, master_port=port, world_size=1 + workers, rank=rank)
+    common = dict(master_address=address, master_port=port, world_size=1 + workers, rank=rank)
     if torch.cuda.is_available():
-        info = nccl.NCCLTrainerInitInfo(**common)
+        # NCCL's init and vLLM's warm-up all-reduce take no timeout: the caller's watchdog
+        # (vllm_server.VLLMServerGenerator._watchdog) holds timeout_s over the handshake
+        info = nccl.NCCLTrainerInitInfo(**common, **packing(packed_bytes))
     else:
         info = GlooTrainerInitInfo(**common, timeout_s=timeout_s)
     client = Client(base_url, timeout_s)
@@ -202,9 +225,43 @@ def connect(base_url, model_or_engine, rank, workers, timeout_s, max_numel=2**26
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source), client
 
 
-def _free_port():
-    import socket
+def packing(packed_bytes):
+    """NCCLTrainerInitInfo's wire parameters (the trainer hands them to the workers). vLLM's own
+    default is packed, 2 buffers of 1 GiB: its producer keeps views of the gathered ZeRO-3 tensors
+    until it concatenates them, with the previous buffer still in flight, so rank 0 holds about
+    3 x the buffer beside a gathered group (memory.estimate_memory's weight_sync). 0 (ours):
+    unpacked, one broadcast per parameter straight from the gathered group, nothing more."""
+    if packed_bytes <= 0:
+        return dict(packed=False)
+    return dict(packed=True, packed_buffer_size_bytes=int(packed_bytes), packed_num_buffers=2)
 
+
+def rendezvous_address(base_url):
+    """Where the server's workers reach training rank 0: 127.0.0.1 for a server on this machine;
+    for one elsewhere (started by hand), MASTER_ADDR (torchrun's: rank 0's node) unless it is a
+    loopback address, else this machine's address on its route to the server."""
+    host = urlsplit(base_url).hostname or "127.0.0.1"
+    if _loopback(host):
+        return "127.0.0.1"
+    master = os.environ.get("MASTER_ADDR", "")
+    if master and not _loopback(master):
+        return master
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: no packet is sent; the kernel picks the route's source address
+        return s.getsockname()[0]
+
+
+def _loopback(host):
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: what it resolves to
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except OSError:  # unresolvable here: not this machine
+            return False
+
+
+def _free_port():
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

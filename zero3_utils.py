@@ -8,6 +8,8 @@ its parameters and the post-hook frees them again. Everything below either works
 Public API
     process_rank() / comm_device() / all_max(n)        this rank; the device collectives need (the
                                                        GPU under NCCL, else CPU); a max over ranks
+    all_reduce_(t, op=SUM) -> t                        a tensor reduced over ranks in place,
+                                                       through comm_device() (any device in)
     is_zero3(model_or_engine) -> bool                  parameters partitioned by ZeRO-3?
     is_sharded(model_or_engine) -> bool                ... and some are not gathered right now?
     gathered(params_or_module, enabled=True)           GatheredParameters; no-op off ZeRO-3
@@ -57,9 +59,22 @@ def all_max(n):
     """The largest of the integers `n` over all ranks (`n` itself without a process group)."""
     if not dist.is_initialized():
         return n
-    t = torch.tensor([n], dtype=torch.long, device=comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return int(all_reduce_(torch.tensor([n], dtype=torch.long), dist.ReduceOp.MAX).item())
+
+
+def all_reduce_(t, op=None):
+    """`t` reduced over all ranks in place and returned (`t` itself without a process group);
+    op: a dist.ReduceOp, default SUM. The project's one tensor all-reduce: it runs on a copy on
+    comm_device() when `t` lives elsewhere (an NCCL group refuses CPU tensors) and copies the
+    result back, so callers keep their tensors where they compute with them
+    (tests/test_collectives.py keeps every other file off torch.distributed's collectives)."""
+    if not dist.is_initialized():
+        return t
+    on = t.to(comm_device())
+    dist.all_reduce(on, op=dist.ReduceOp.SUM if op is None else op)
+    if on is not t:
+        t.copy_(on)
+    return t
 
 
 # ---- Modules inside engines, ZeRO-3 parameters ---------------------------------------------------

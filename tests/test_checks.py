@@ -708,23 +708,48 @@ def test_run_sh_refuses_an_out_of_range_value(tmp_path):
 def test_run_sh_starts_one_rank_per_visible_gpu(tmp_path, visible, vllm_devices, nproc):
     """On a host whose stand-in `nvidia-smi -L` lists 8 GPUs, run.sh starts one rank per GPU in
     CUDA_VISIBLE_DEVICES when it is set (less those VLLM_DEVICES takes); an empty list is no GPU.
-    `--help` stops run.sh before any process starts."""
+    Each rank gets its share of the cores (OMP_NUM_THREADS) on GPU too, where torchrun would set
+    1 (DeepSpeedCPUAdam steps an offloaded optimizer with them). `--help` stops run.sh before any
+    process starts."""
+    proc = run_sh_on_8_gpus(tmp_path, visible, vllm_devices)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "processes per node" in ln]
+    threads = max(1, len(os.sched_getaffinity(0)) // (nproc or 1))
+    want = f"run.sh: {nproc} processes per node, {nproc} GPUs for training, {threads} CPU threads"
+    assert lines == ([want + " each"] if nproc else []), proc.stderr
+
+
+def run_sh_on_8_gpus(tmp_path, visible=None, vllm_devices=None, nproc=None):
+    """`bash run.sh grpo --help` on a host whose stand-in `nvidia-smi -L` lists 8 GPUs."""
     smi = tmp_path / "nvidia-smi"
     smi.write_text('#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100"; done\n')
     smi.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC")}
+    drop = ("CUDA_VISIBLE_DEVICES", "NPROC", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(PATH=f"{tmp_path}:{env['PATH']}", DEVICE="cpu")  # install.sh: the CPU stack here
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     if vllm_devices:
         env["VLLM_DEVICES"] = vllm_devices
-    proc = subprocess.run(
+    if nproc:
+        env["NPROC"] = str(nproc)
+    return subprocess.run(
         ["bash", "run.sh", "grpo", "--help"], cwd=ROOT, env=env, capture_output=True, text=True
     )
-    assert proc.returncode == 0, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if "processes per node" in ln]
-    want = [f"run.sh: {nproc} processes per node, {nproc} GPUs for training"] if nproc else []
-    assert lines == want, proc.stderr
+
+
+@pytest.mark.parametrize("visible, vllm_devices", [(None, None), ("0,1,2", "2")])
+def test_run_sh_refuses_more_ranks_than_gpus(tmp_path, visible, vllm_devices):
+    """NPROC above the GPUs left for training: exit 2 with one message naming both numbers and
+    what to change, before any process starts (not rank N's late failure in set_device)."""
+    proc = run_sh_on_8_gpus(tmp_path, visible, vllm_devices, nproc=9)
+    gpus = 8 if visible is None else 2
+    assert proc.returncode == EXIT_CONFIG, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert errors == [
+        f"run.sh: error: NPROC=9 processes but {gpus} GPUs for training (one rank per GPU): set "
+        f"NPROC to at most {gpus}, or make more GPUs visible (CUDA_VISIBLE_DEVICES, VLLM_DEVICES)"
+    ], proc.stderr
 
 
 def test_run_sh_stops_bad_input_before_torchrun(tmp_path):
