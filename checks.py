@@ -269,7 +269,7 @@ def check_inputs(args, rank, reward_model="", env=""):
     warning), the reward functions on real prompts (as conversations with an `env`, grpo.py's
     multi-turn rollouts). Reads args, writes nothing on it. Returns {train_rows, eval_rows,
     model_path, config, tokenizer, stop_ids (batching.stop_token_ids), template_kwargs (the
-    parsed JSON), funcs, weights}; writes run.sh's vLLM server settings (write_server_settings)."""
+    parsed JSON), funcs, weights}."""
     read_ds_json(args.ds_config)
     try:
         kwargs = template_kwargs(args.chat_template_kwargs)
@@ -317,7 +317,6 @@ def check_inputs(args, rank, reward_model="", env=""):
             return score_completions(funcs, weights, rows, completions, g)
 
         probe_rewards(score, probe, hint=hint)
-    write_server_settings(args, config)
     return dict(
         train_rows=train_rows,
         eval_rows=eval_rows,
@@ -550,23 +549,6 @@ def training_dtype(name):
             "there): use --dtype fp32 (or auto, which picks fp32 here)"
         )
     return torch.bfloat16 if name == "bf16" else torch.float32
-
-
-def write_server_settings(args, config):
-    """run.sh's one-process pre-flight of a server-mode run (--preflight True, --vllm_mode
-    server): what `vllm serve` must match, in <run_dir>/vllm_server.json, which run.sh starts the
-    server with. dtype: the trainer's (vLLM picks its own from the model otherwise: fp16 on a
-    V100 or T4 beside an fp32 trainer, bf16 beside --dtype fp32 on newer GPUs); max_model_len:
-    prompt + completion within the model's context, as the colocated engine gets (vLLM takes
-    the model's whole context otherwise, 32k-128k tokens, whose KV cache a small GPU refuses)."""
-    if not (getattr(args, "preflight", False) and getattr(args, "vllm_mode", "") == "server"):
-        return
-    max_len = args.max_prompt_length + args.max_completion_length
-    max_len = min(max_len, getattr(config, "max_position_embeddings", max_len))
-    dtype = "bfloat16" if training_dtype(args.dtype) == torch.bfloat16 else "float32"
-    os.makedirs(args.run_dir, exist_ok=True)
-    with open(os.path.join(args.run_dir, "vllm_server.json"), "w") as f:
-        json.dump({"dtype": dtype, "max_model_len": max_len}, f)
 
 
 def check_attn_implementation(name, dtype="auto"):

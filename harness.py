@@ -65,7 +65,7 @@ from memory import MemoryLedger
 from recipes import apply_recipe
 from runlog import RunLog
 from tasks import score_completions
-from vllm_server import vllm_generator
+from vllm_server import vllm_generator, write_server_settings
 from zero3_load import enable_gradient_checkpointing, load_model
 from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
 
@@ -258,7 +258,9 @@ def before_torchrun(args, models):
     no weights; run.sh runs these before torchrun starts the ranks."""
     if args.estimate_memory:
         return estimate_run_memory(args, models)
-    preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)), models=models)
+    inputs = preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)), models=models)
+    if args.use_vllm and args.vllm_mode == "server":  # what run.sh starts the server with
+        write_server_settings(args, inputs.config, inputs.dtype)
     print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
 
 

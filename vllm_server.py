@@ -39,6 +39,7 @@ vllm_transfer.packing). A server that dies or fails the handshake or an update e
 exit 6, never a hang (_watchdog).
 """
 
+import json
 import os
 import sys
 import threading
@@ -349,3 +350,18 @@ if __name__ == "__main__":  # run.sh: python vllm_server.py MODEL PORT HOST TP [
     model, port, host, tp, *extra = sys.argv[1:]
     sys.argv = [sys.argv[0], *server_argv(model, int(port), host, int(tp), extra)]
     serve()
+
+
+def write_server_settings(args, config, dtype):
+    """run.sh's one-process pre-flight of a server-mode run: what `vllm serve` must match, in
+    <run_dir>/vllm_server.json, which run.sh starts the server with. dtype: the trainer's (vLLM
+    picks its own from the model otherwise: fp16 on a V100 or T4 beside an fp32 trainer, bf16
+    beside --dtype fp32 on newer GPUs); max_model_len: prompt + completion within the model's
+    context, as the colocated engine gets (vLLM takes the model's whole context otherwise,
+    32k-128k tokens, whose KV cache a small GPU refuses)."""
+    max_len = args.max_prompt_length + args.max_completion_length
+    max_len = min(max_len, getattr(config, "max_position_embeddings", max_len))
+    os.makedirs(args.run_dir, exist_ok=True)
+    with open(os.path.join(args.run_dir, "vllm_server.json"), "w") as f:
+        name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        json.dump({"dtype": name, "max_model_len": max_len}, f)
