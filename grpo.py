@@ -19,7 +19,8 @@ Departures from the paper and why (docs/grpo.md has the rest):
 - Truncated importance weights against vLLM's own log-probs (--vllm_importance_cap).
 - Every micro-batch loss is divided by the WHOLE batch's normaliser and DeepSpeed's averaging is
   undone, so accumulation never changes the update.
-- Optional: GSPO's sequence-level ratio, DAPO's dynamic sampling and overlong filtering,
+- Optional: CISPO, RLOO / REINFORCE++ advantages, an entropy bonus (docs/update.md), GSPO's
+  sequence-level ratio, DAPO's dynamic sampling and overlong filtering,
   multi-turn rollouts with an environment (--env, docs/envs.md), asynchronous GRPO
   (--max_staleness, docs/async.md), LoRA (vLLM and the final model get merged weights).
 """
@@ -264,11 +265,13 @@ class Args(harness.RunArgs):
         "(docs/async.md); 0: generate, then update",
         ">= 0",
     )
-    loss_type: str = arg("bnpo", f"one of {LOSS_TYPES} (cispo: docs/update.md)")
+    loss_type: str = arg(
+        "bnpo", f"one of {LOSS_TYPES}; cispo: -stopgrad(min(r, 1 + epsilon_high)) A logp per token"
+    )
     advantage_estimator: str = arg(
         "grpo",
-        f"one of {ADVANTAGE_ESTIMATORS}: the group mean as baseline; rloo: the others' mean "
-        "(--scale_rewards False); reinforce_pp: the group mean, then whitened over the batch",
+        f"one of {ADVANTAGE_ESTIMATORS}; grpo: r - group mean; rloo: r - the others' mean "
+        "(--scale_rewards False); reinforce_pp: r - group mean, whitened over the whole batch",
     )
     entropy_coef: float = arg(0.0, "entropy bonus: loss -= coef x token entropy", ">= 0")
     importance_sampling_level: str = arg(
@@ -295,7 +298,9 @@ class Args(harness.RunArgs):
     beta: float = arg(0.0, "KL weight; 0 builds no reference model", ">= 0")
     epsilon_low: float = arg(0.2, "ratio clipped below at 1 - epsilon_low", "[0, 1)")
     epsilon_high: float = arg(0.2, "ratio clipped above at 1 + epsilon_high", ">= 0")
-    scale_rewards: bool = arg(True, "advantages / the group std (reinforce_pp: the batch std)")
+    scale_rewards: bool = arg(
+        True, "grpo: advantages / group std; reinforce_pp: / batch std (needs True); rloo: False"
+    )
     num_iterations: int = arg(1, "optimizer steps per generated batch", ">= 1")
 
 
