@@ -19,11 +19,13 @@ Departures from the paper and why (docs/grpo.md has the rest):
 - Truncated importance weights against vLLM's own log-probs (--vllm_importance_cap).
 - Every micro-batch loss is divided by the WHOLE batch's normaliser and DeepSpeed's averaging is
   undone, so accumulation never changes the update.
-- Optional: GSPO's sequence-level ratio, DAPO's dynamic sampling and overlong filtering,
+- Optional: CISPO, RLOO / REINFORCE++ advantages, an entropy bonus (docs/update.md), GSPO's
+  sequence-level ratio, DAPO's dynamic sampling and overlong filtering,
   multi-turn rollouts with an environment (--env, docs/envs.md), asynchronous GRPO
   (--max_staleness, docs/async.md), LoRA (vLLM and the final model get merged weights).
 """
 
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -43,7 +45,8 @@ from prefetch import Prefetcher
 from vllm_server import ServerError
 from zero3_utils import all_max
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "cispo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # what update() returns summed over ranks: the same keys on every rank, whatever it trained on (a
 # key missing on one rank would make the ranks' all-reduces disagree and hang them)
@@ -71,15 +74,34 @@ def group_advantages(rewards, num_generations, scale=True, eps=1e-4):
     return adv.view(-1)  # (N * G,)
 
 
+def estimate_advantages(rewards, num_generations, estimator="grpo", scale=True, keep=None):
+    """(N * G,) advantages by --advantage_estimator. grpo: group_advantages. rloo (Ahmadian et al.
+    2024): r_i - mean of the group's other G - 1 rewards, unscaled. reinforce_pp (REINFORCE++-
+    baseline, Hu et al. 2025): r - group mean, then whitened over the kept rows (keep (N * G,)
+    bool, None: all) of every rank: a collective, so every rank calls it."""
+    if estimator == "grpo":
+        return group_advantages(rewards, num_generations, scale=scale)
+    adv = group_advantages(rewards, num_generations, scale=False).double()  # (N * G,) r - mean
+    if estimator == "rloo":  # r_i - (S - r_i) / (G - 1) = G / (G - 1) * (r_i - S / G)
+        return (adv * num_generations / (num_generations - 1)).to(rewards.dtype)
+    if estimator != "reinforce_pp":
+        raise ValueError(f"estimator={estimator!r}: choose one of {ADVANTAGE_ESTIMATORS}")
+    w = torch.ones_like(adv) if keep is None else keep.to(adv.dtype)  # (N * G,)
+    s, sq, n = all_sum([(adv * w).sum().item(), (adv * adv * w).sum().item(), w.sum().item()])
+    mean = s / max(n, 1.0)  # 0 up to rounding: every group's deviations sum to 0
+    std = math.sqrt(max(sq - n * mean * mean, 0.0) / max(n - 1, 1.0))  # unbiased, all ranks
+    return ((adv - mean) / (std + 1e-4)).to(rewards.dtype)  # (N * G,)
+
+
 def loss_normalizer(mask, loss_type, max_completion_length):
     """This micro-batch's share of the loss denominator; sum it over the whole batch and all ranks.
 
-    grpo: number of sequences; bnpo: number of completion tokens; dr_grpo: sequences x
+    grpo: number of sequences; bnpo and cispo: number of completion tokens; dr_grpo: sequences x
     max_completion_length (a constant per sequence, so long and short answers weigh the same).
     """
     if loss_type == "grpo":
         return float(mask.shape[0])
-    if loss_type == "bnpo":
+    if loss_type in ("bnpo", "cispo"):
         return float(mask.sum())
     if loss_type == "dr_grpo":
         return float(mask.shape[0] * max_completion_length)
@@ -100,6 +122,8 @@ def grpo_loss(
     normalizer,
     is_weights=None,
     importance_sampling_level="token",
+    entropy=None,
+    entropy_coef=0.0,
 ):
     """Clipped surrogate + k3 KL for one micro-batch; returns (loss, metrics).
 
@@ -113,6 +137,11 @@ def grpo_loss(
     et al. 2025: one ratio per sequence, exp of the mean over its completion tokens of logp - old,
     clipped as a whole and shared by its tokens; its gradient is the ratio times the mean of the
     tokens' score functions), with every loss_type, as TRL's GRPOTrainer computes it.
+    loss_type "cispo" (MiniMax-M1, 2025): -stopgrad(min(ratio, 1 + epsilon_high)) x A x logp per
+    token: the ratio only weighs the score function, so no token loses its gradient to clipping
+    (epsilon_low unused; clip_high counts the tokens whose weight was capped, clip_low stays 0).
+    entropy (B, C) with grad and entropy_coef > 0: an entropy bonus, -coef x entropy per token,
+    aggregated and normalised like the loss.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}: choose one of {LOSS_TYPES}")
@@ -130,7 +159,11 @@ def grpo_loss(
     ratio = torch.exp(log_ratio)  # (B, C)
     clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)  # (B, C)
     adv = advantages[:, None]  # (B, 1)
-    per_token = -torch.min(ratio * adv, clipped * adv)  # (B, C)
+    cispo = loss_type == "cispo"
+    if cispo:  # the capped ratio as a constant weight of the score function
+        per_token = -ratio.clamp(max=1 + epsilon_high).detach() * adv * logps  # (B, C)
+    else:
+        per_token = -torch.min(ratio * adv, clipped * adv)  # (B, C)
     if is_weights is not None:
         per_token = per_token * is_weights  # (B, C)
     if beta > 0:
@@ -139,6 +172,8 @@ def grpo_loss(
         d = ref_logps - logps  # (B, C)
         kl = torch.exp(d) - d - 1  # (B, C) k3 estimator, >= 0
         per_token = per_token + beta * kl  # (B, C)
+    if entropy_coef:  # only then: an unused entropy gets no backward work
+        per_token = per_token - entropy_coef * entropy  # (B, C)
     if loss_type == "grpo":
         per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
         loss = per_seq.sum() / normalizer
@@ -146,8 +181,8 @@ def grpo_loss(
         loss = (per_token * mask).sum() / normalizer
 
     with torch.no_grad():  # token-level sums, so callers can add them up across micro-batches
-        is_low = (ratio < 1 - epsilon_low) & (adv < 0)  # (B, C) clipped from below
-        is_high = (ratio > 1 + epsilon_high) & (adv > 0)  # (B, C) clipped from above
+        is_low = (ratio < 1 - epsilon_low) & (adv < 0) & (not cispo)  # (B, C) clipped from below
+        is_high = (ratio > 1 + epsilon_high) & ((adv > 0) | cispo)  # (B, C) clipped from above
         metrics = {
             "tokens": mask.sum(),
             "clip_low": (is_low * mask).sum(),
@@ -230,7 +265,15 @@ class Args(harness.RunArgs):
         "(docs/async.md); 0: generate, then update",
         ">= 0",
     )
-    loss_type: str = arg("bnpo", f"one of {LOSS_TYPES}")
+    loss_type: str = arg(
+        "bnpo", f"one of {LOSS_TYPES}; cispo: -stopgrad(min(r, 1 + epsilon_high)) A logp per token"
+    )
+    advantage_estimator: str = arg(
+        "grpo",
+        f"one of {ADVANTAGE_ESTIMATORS}; grpo: r - group mean; rloo: r - the others' mean "
+        "(--scale_rewards False); reinforce_pp: r - group mean, whitened over the whole batch",
+    )
+    entropy_coef: float = arg(0.0, "entropy bonus: loss -= coef x token entropy", ">= 0")
     importance_sampling_level: str = arg(
         "token",
         "token: a ratio per token (GRPO); sequence: one length-normalised ratio per sequence, "
@@ -255,7 +298,9 @@ class Args(harness.RunArgs):
     beta: float = arg(0.0, "KL weight; 0 builds no reference model", ">= 0")
     epsilon_low: float = arg(0.2, "ratio clipped below at 1 - epsilon_low", "[0, 1)")
     epsilon_high: float = arg(0.2, "ratio clipped above at 1 + epsilon_high", ">= 0")
-    scale_rewards: bool = arg(True, "divide advantages by the group std")
+    scale_rewards: bool = arg(
+        True, "grpo: advantages / group std; reinforce_pp: / batch std (needs True); rloo: False"
+    )
     num_iterations: int = arg(1, "optimizer steps per generated batch", ">= 1")
 
 
@@ -264,6 +309,14 @@ def parse_args(argv=None):
     args = harness.parse(Args, recipes.GRPO, argv)
     if args.loss_type not in LOSS_TYPES:
         raise RunError(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
+    est, scale = args.advantage_estimator, args.scale_rewards
+    if est not in ADVANTAGE_ESTIMATORS:
+        raise RunError(f"--advantage_estimator {est}: choose one of {ADVANTAGE_ESTIMATORS}")
+    if (est, scale) in (("rloo", True), ("reinforce_pp", False)):  # grpo's advantage, rescaled
+        raise RunError(
+            f"--advantage_estimator {est} needs --scale_rewards {not scale} (docs/update.md): "
+            f"pass it, or --advantage_estimator grpo --scale_rewards {scale} for this advantage"
+        )
     if args.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise RunError(
             f"--importance_sampling_level {args.importance_sampling_level}: choose one of "
@@ -411,11 +464,15 @@ def to_batch(sample, keep, args, run):
     None)."""
     gens = sample["gens"]
     batch = make_batch(sample["prompt_ids"], gens, run.tokenizer.pad_token_id)
-    batch["advantages"] = group_advantages(
-        sample["rewards"], args.num_generations, scale=args.scale_rewards
-    )  # (B,)
     batch["keep"] = keep
     batch["truncated"] = truncated(gens, run.stop_ids, args.max_completion_length)  # (B,)
+    batch["advantages"] = estimate_advantages(
+        sample["rewards"],
+        args.num_generations,
+        args.advantage_estimator,
+        args.scale_rewards,
+        keep_mask(batch, args),  # reinforce_pp's batch statistics: the rows the update trains on
+    )  # (B,)
     batch["sampler_logps"] = gens.logprobs  # (B, C) or None
     batch["loss_mask"] = sample.get("loss_mask")  # (B, C): --env, 0 on its turns; else None
     return batch
@@ -546,17 +603,8 @@ def update(engine, batch, args, device, ledger=None, knobs=None):
     trainer = None if sampled is None else torch.zeros_like(sampled)  # (B, C) filled below
     if normalizer > 0:  # alike on every rank: a sum over ranks
         for i in range(args.num_iterations):
-            sums = train_on_batch(
-                engine,
-                batch,
-                plan,
-                args,
-                knobs,
-                normalizer,
-                device,
-                ledger,
-                trainer if i == 0 else None,
-            )
+            out = trainer if i == 0 else None  # the first iteration's log-probs
+            sums = train_on_batch(engine, batch, plan, args, knobs, normalizer, device, ledger, out)
             skipped += not engine.was_step_applied()  # alike on every rank
     keep = keep_mask(batch, args)  # (B,)
     totals = all_sum([sums[k] for k in UPDATE_METRICS] + [float(keep.sum())])
@@ -609,6 +657,8 @@ def train_on_batch(engine, batch, plan, args, knobs, normalizer, device, ledger,
                 normalizer=normalizer,
                 is_weights=on["is_weights"],
                 importance_sampling_level=args.importance_sampling_level,
+                entropy=entropy,
+                entropy_coef=args.entropy_coef,
             )
             engine.backward(loss * weight * world, scale_wrt_gas=False)  # weight 0: a repeat
             if weight:
@@ -640,8 +690,8 @@ def main(argv=None):
     ref = run.frozen(run.load(frozen=True)) if memory_models(args)["reference"] else None
     vllm = run.vllm_engine()
 
-    def eval_sample(rows):  # one completion per held-out prompt, as in training
-        sample = sample_groups(run, rows, args, env, G=1)
+    def eval_sample(rows):  # --eval_samples completions per held-out prompt, as in training
+        sample = sample_groups(run, rows, args, env, G=args.eval_samples)
         return sample["rewards"], sample["per_func"]
 
     run.start(__file__, {"policy": engine}, vllm, eval_sample, sync_for_eval=not args.max_staleness)

@@ -64,7 +64,7 @@ from logprobs import DEFAULT_CHUNK_SIZE
 from memory import MemoryLedger
 from recipes import apply_recipe
 from runlog import RunLog
-from tasks import score_completions
+from tasks import pass_at_k, score_completions
 from vllm_server import vllm_generator, write_server_settings
 from zero3_load import enable_gradient_checkpointing, load_model
 from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
@@ -139,7 +139,8 @@ class RunArgs:
     max_steps: int = arg(100, "training steps (one rollout batch each)", ">= 1")
     # evaluation, logging, saving
     eval_steps: int = arg(25, "held-out reward every this many steps (and at start/end)", ">= 0")
-    num_eval_prompts: int = arg(200, "held-out prompts, one sample each; 0: no eval", ">= 0")
+    num_eval_prompts: int = arg(200, "held-out prompts; 0: no eval", ">= 0")
+    eval_samples: int = arg(1, "k samples per held-out prompt; > 1: eval/pass@1, pass@k", ">= 1")
     save_steps: int = arg(0, "DeepSpeed checkpoint every this many steps; 0: none", ">= 0")
     save_total_limit: int = arg(0, "keep only this many newest checkpoints; 0: all", ">= 0")
     resume: bool = arg(False, "continue from the latest checkpoint in run_dir (checkpoint.py)")
@@ -483,27 +484,32 @@ class Run:
         )
 
     def held_out(self, step, when):
-        """Held-out mean reward and accuracy (every reward function >= 1), one sampled completion
-        per prompt, prompts split over ranks, the same samples at every point of a run."""
+        """Held-out mean reward and accuracy (every reward function >= 1) over --eval_samples k
+        sampled completions per prompt, prompts split over ranks, the same samples at every point
+        of a run; k > 1: also eval/pass@1 and eval/pass@k by Chen et al.'s estimator."""
         if self.vllm is not None and self.sync_for_eval:
             self.vllm.sync_weights(self.policy)  # wakes it after sleep()
-        mine = self.eval_rows[self.rank :: self.world]
+        mine, k = self.eval_rows[self.rank :: self.world], self.args.eval_samples
         torch.manual_seed(self.args.seed + 12345 + self.rank)
-        reward = acc = float("nan")
+        reward = acc = pass1 = passk = float("nan")
         if self.eval_rows:
-            total, per_func = self.eval_sample(mine)  # (B,), {name: (B,)}
+            total, per_func = self.eval_sample(mine)  # (B * k,), {name: (B * k,)}, prompt-major
             solved = (
                 torch.stack([r >= 1 for r in per_func.values()]).all(0)
                 if per_func
-                else torch.zeros(len(mine))  # a reward model's score: no accuracy
-            )  # (B,)
-            sums = all_sum([total.sum().item(), solved.sum().item(), len(mine)])
+                else torch.zeros(len(mine) * k)  # a reward model's score: no accuracy
+            )  # (B * k,)
+            right = [int(c) for c in solved.view(-1, k).sum(1)]  # (B,) correct samples per prompt
+            passes = [sum(pass_at_k(k, c, j) for c in right) for j in (1, k)]
+            sums = all_sum([total.sum().item(), solved.sum().item(), len(mine) * k, *passes])
             reward, acc = sums[0] / sums[2], sums[1] / sums[2]
-        self.say(
-            f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, "
-            f"{len(self.eval_rows)} prompts)"
-        )
-        self.log.record({"step": step, "eval/reward": reward, "eval/accuracy": acc})
+            pass1, passk = (x * k / sums[2] for x in sums[3:])  # means over prompts
+        row = {"step": step, "eval/reward": reward, "eval/accuracy": acc}
+        if k > 1:  # k = 1: pass@1 is the accuracy, and the keys stay those of earlier runs
+            row.update({"eval/pass@1": pass1, f"eval/pass@{k}": passk})
+        n, more = len(self.eval_rows), f", pass@{k} {passk:.3f}" if k > 1 else ""
+        self.say(f"held-out reward at {when}: {reward:.3f} (accuracy {acc:.3f}, {n} prompts{more})")
+        self.log.record(row)
         return reward
 
     def finish(self, panels, save=None):

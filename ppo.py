@@ -112,23 +112,47 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     return (out * m).to(x.dtype)
 
 
-def policy_loss(logps, old_logps, advantages, mask, clip_eps, normalizer):
+POLICY_LOSSES = ("ppo", "cispo")
+
+
+def policy_loss(
+    logps,
+    old_logps,
+    advantages,
+    mask,
+    clip_eps,
+    normalizer,
+    loss_type="ppo",
+    entropy=None,
+    coef=0.0,
+):
     """Clipped surrogate: sum of max(-A r, -A clip(r, 1 - eps, 1 + eps)) over tokens / normalizer.
 
     logps (B, C) with grad, old_logps and advantages (B, C), mask (B, C). normalizer: the WHOLE
     mini-batch's token count (all micro-batches, all ranks). Returns (loss, token-level metric
-    sums).
+    sums). loss_type "cispo" (MiniMax-M1): -stopgrad(min(r, 1 + eps)) A logp per token, so no
+    token loses its gradient to clipping; "clip" then counts the tokens whose weight was capped.
+    entropy (B, C) with grad and coef > 0: an entropy bonus, -coef x entropy per token.
     """
     mask = mask.to(logps.dtype)  # (B, C)
     log_ratio = logps - old_logps  # (B, C)
     ratio = torch.exp(log_ratio)  # (B, C)
     unclipped = -advantages * ratio  # (B, C)
     clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)  # (B, C)
-    loss = (torch.max(unclipped, clipped) * mask).sum() / normalizer
+    if loss_type == "cispo":  # the capped ratio as a constant weight of the score function
+        per_token = -ratio.clamp(max=1 + clip_eps).detach() * advantages * logps  # (B, C)
+        is_clipped = ratio > 1 + clip_eps  # (B, C)
+    elif loss_type == "ppo":
+        per_token, is_clipped = torch.max(unclipped, clipped), clipped > unclipped  # (B, C)
+    else:
+        raise ValueError(f"loss_type={loss_type!r}: choose one of {POLICY_LOSSES}")
+    if coef:  # only then: an unused entropy gets no backward work
+        per_token = per_token - coef * entropy  # (B, C)
+    loss = (per_token * mask).sum() / normalizer
     with torch.no_grad():
         metrics = {
             "tokens": mask.sum(),
-            "clip": ((clipped > unclipped) * mask).sum(),
+            "clip": (is_clipped * mask).sum(),
             "ratio": (ratio * mask).sum(),
             "approx_kl": ((ratio - 1 - log_ratio) * mask).sum(),
         }
@@ -181,6 +205,8 @@ class Args(harness.RunArgs):
     gamma: float = arg(1.0, "discount", "[0, 1]")
     lam: float = arg(0.95, "GAE lambda", "[0, 1]")
     cliprange: float = arg(0.2, "policy ratio clipped to [1 - c, 1 + c]", "(0, 1)")
+    loss_type: str = arg("ppo", f"policy loss, one of {POLICY_LOSSES} (cispo: cliprange caps r)")
+    entropy_coef: float = arg(0.0, "entropy bonus: policy loss -= coef x token entropy", ">= 0")
     cliprange_value: float = arg(0.2, "value clipped to old value +- this", "> 0")
     ppo_epochs: int = arg(2, "passes over each rollout batch", ">= 1")
     num_mini_batches: int = arg(1, "optimizer steps per pass (per model)", ">= 1")
@@ -199,6 +225,8 @@ class Args(harness.RunArgs):
 def parse_args(argv=None):
     """Args as given (argv, default sys.argv[1:]), checked on their own (no file read yet)."""
     args = harness.parse(Args, recipes.PPO, argv)
+    if args.loss_type not in POLICY_LOSSES:
+        raise RunError(f"--loss_type {args.loss_type}: choose one of {POLICY_LOSSES}")
     if args.reward_model and args.reward_funcs:
         raise RunError("give --reward_model or --reward_funcs, not both")
     if args.reward_model and args.reward_weights:
@@ -405,7 +433,17 @@ def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, knob
         old = mb.get("old_logps")
         old_logps = logps.detach() if old is None else old.to(device)  # (b, c)
         advantages = mb["advantages"].to(device)  # (b, c)
-        pl, pm = policy_loss(logps, old_logps, advantages, mask, args.cliprange, normalizer)
+        pl, pm = policy_loss(
+            logps,
+            old_logps,
+            advantages,
+            mask,
+            args.cliprange,
+            normalizer,
+            args.loss_type,
+            entropy,
+            args.entropy_coef,
+        )
     with timed(times, "actor_backward"):
         actor.backward(pl * scale, scale_wrt_gas=False)
     critic.set_gradient_accumulation_boundary(boundary)
@@ -449,13 +487,13 @@ def main(argv=None):
         reward_model = run.frozen(rm)
     vllm = run.vllm_engine()
 
-    def eval_sample(rows):  # one completion per held-out prompt
-        prompt_ids = run.encode(rows)
-        gens = run.generate(prompt_ids, 1)
+    def eval_sample(rows):  # --eval_samples completions per held-out prompt
+        prompt_ids, k = run.encode(rows), args.eval_samples
+        gens = run.generate(prompt_ids, k)
         completions = run.tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
         batch = make_batch(prompt_ids, gens, run.tokenizer.pad_token_id)
         plan = plan_micro_batches(batch, run.knobs.per_device_train_batch_size)
-        return score(run, rows, completions, 1, batch, plan, reward_model)
+        return score(run, rows, completions, k, batch, plan, reward_model)
 
     run.start(__file__, {"actor": engine, "critic": critic_engine}, vllm, eval_sample)
     scorers = rollout_scorers(engine, critic_engine, ref, args, run.knobs, run.device)

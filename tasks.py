@@ -225,3 +225,12 @@ def score_completions(funcs, weights, rows, completions, num_generations):
     per_func = {f.__name__: call_reward(f, prompts, completions, answers) for f in funcs}
     total = sum(w * r for w, r in zip(weights, per_func.values()))  # (B,)
     return total, per_func
+
+
+def pass_at_k(n, c, k):
+    """Chen et al. 2021's unbiased pass@k of one prompt with n samples, c of them correct (k <= n):
+    1 - C(n - c, k) / C(n, k), the chance that k samples drawn from the n without replacement hold
+    a correct one, as their running product (no large binomials). pass@1 is c / n; k = n: c > 0."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))

@@ -7,8 +7,12 @@ across ranks), padded or packed (--packing), grpo.update's loss (with grpo.py's 
 equal the full-batch loss and its SGD(lr=1) update minus the gradient of it, computed on one plain
 model. With a keep mask (ZeRO-3; ranks dropping different numbers of groups, one rank all of its
 own, every row), the update equals the full-batch update of the kept rows; dropping every row
-changes nothing. And grpo.dynamic_sampling on 2 ranks: ranks sample extra rounds in lockstep up to
-the cap, a rank left short marks its filler groups keep False, the stats are summed over ranks.
+changes nothing. With --entropy_coef (ZeRO-3, padded and packed), the gradient of the fused entropy
+equals that of the full logits' entropy. --advantage_estimator on 2 ranks: each rank's advantages
+equal the full batch's (reinforce_pp whitens over both ranks' kept rows), and the update with them
+equals the full-batch update. And grpo.dynamic_sampling on 2 ranks: ranks sample extra rounds in
+lockstep up to the cap, a rank left short marks its filler groups keep False, the stats are summed
+over ranks.
 Usage: torchrun --nproc_per_node 2 tests/dist_grpo_accum.py MODEL_DIR TMP_DIR
 """
 
@@ -19,13 +23,17 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from batching import all_cat
 from checks import exit_process
 from fit import Knobs
 from generation import Generations
 from grpo import (
+    ADVANTAGE_ESTIMATORS,
     LOSS_TYPES,
     batch_normalizer,
     dynamic_sampling,
+    estimate_advantages,
+    group_advantages,
     grpo_loss,
     loss_normalizer,
     micro_plan,
@@ -53,12 +61,14 @@ ids = ids.masked_fill(am == 0, 0)
 cmask = am[:, P:]
 
 
-def plain_logps(model):
+def plain_logps(model, entropy=False):
     pos = (am.cumsum(1) - 1).clamp(min=0)
     logits = (
         model(input_ids=ids, attention_mask=am, position_ids=pos).logits[:, P - 1 : -1].float()
     )  # (B, C, V)
-    return logits.log_softmax(-1).gather(-1, ids[:, P:, None]).squeeze(-1)  # (B, C)
+    lsm = logits.log_softmax(-1)  # (B, C, V)
+    logps = lsm.gather(-1, ids[:, P:, None]).squeeze(-1)  # (B, C)
+    return (logps, -(lsm.exp() * lsm).sum(-1)) if entropy else logps  # entropy (B, C)
 
 
 ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -70,20 +80,22 @@ ref_logps = base + 0.3 * torch.randn(B, C)
 advantages = torch.randn(B)
 
 
-def grpo_args(loss_type, micro, budget, packing):
-    """grpo.py's own Args: 2 prompts x 2 completions = 4 rows per rank."""
+def grpo_args(loss_type, micro, budget, packing, extra=()):
+    """grpo.py's own Args: 2 prompts x 2 completions = 4 rows per rank; extra: more flags."""
     argv = ["--prompts_per_rank", "2", "--num_generations", "2", "--loss_type", loss_type]
     argv += ["--beta", "0.04", "--epsilon_high", "0.28", "--max_completion_length", str(C)]
     argv += ["--per_device_train_batch_size", str(micro), "--packing", str(packing)]
-    return parse_args(argv + ["--max_tokens_per_microbatch", str(budget)])
+    return parse_args(argv + ["--max_tokens_per_microbatch", str(budget), *extra])
 
 
-def reference(loss_type, kept):
-    """Loss, normaliser and gradient of the full batch's kept rows on one plain model."""
+def reference(loss_type, kept, coef=0.0):
+    """Loss, normaliser and gradient of the full batch's kept rows on one plain model; coef > 0:
+    with an entropy bonus, the entropy of the full logits."""
     ref_model.zero_grad()
     norm = loss_normalizer(cmask[kept], loss_type, C)
+    logps, entropy = plain_logps(ref_model, entropy=True)
     loss, _ = grpo_loss(
-        plain_logps(ref_model)[kept],
+        logps[kept],
         old_logps[kept],
         ref_logps[kept],
         advantages[kept],
@@ -93,6 +105,8 @@ def reference(loss_type, kept):
         epsilon_high=0.28,
         loss_type=loss_type,
         normalizer=norm,
+        entropy=entropy[kept],
+        entropy_coef=coef,
     )
     loss.backward()
     return loss.detach(), norm, {n: p.grad.clone() for n, p in ref_model.named_parameters()}
@@ -189,6 +203,38 @@ for loss_type in LOSS_TYPES:
             # normaliser is off by the size of the gradient itself
             label = f"{name} micro={micro} budget={budget}"
             check(label, 3, args, keep, loss, norm, want, atol=1e-6)
+
+# --entropy_coef: the fused entropy's gradient (logprobs.py) under ZeRO-3 with accumulation, padded
+# or packed, equals the full logits' entropy gradient
+loss, norm, want = reference("bnpo", torch.ones(B, dtype=torch.bool), coef=0.05)
+for micro, budget, packing in ((1, 0, False), (4, 22, True)):
+    args = grpo_args("bnpo", micro, budget, packing, ["--entropy_coef", "0.05"])
+    check(
+        f"entropy micro={micro} budget={budget} packing={packing}", 3, args, None, loss, norm, want
+    )
+
+# --advantage_estimator on 2 ranks, groups of 2, rank 1 dropping a group: grpo and rloo are
+# group-local; reinforce_pp whitens over the kept rows of both ranks (a collective), so each rank's
+# half equals the full batch's whitening; the update with them equals the full-batch update
+mine = slice(4 * rank, 4 * rank + 4)
+rewards = torch.rand(B, generator=torch.Generator().manual_seed(3))
+keep = torch.tensor(KEEPS["rank 1 drops 1 group"], dtype=torch.bool)
+centered = (rewards - rewards.view(-1, 2).mean(1).repeat_interleave(2)).double()  # (B,)
+kept = centered[keep]
+want_adv = {
+    "grpo": group_advantages(rewards, 2).double(),
+    "rloo": 2 * centered,  # r_i minus its one group mate
+    "reinforce_pp": (centered - kept.mean()) / (kept.std() + 1e-4),
+}
+for est in ADVANTAGE_ESTIMATORS:
+    got = estimate_advantages(rewards[mine], 2, est, est != "rloo", keep[mine])  # (4,)
+    if not torch.allclose(got.double(), want_adv[est][mine], atol=1e-6):
+        failures.append(f"{est}: advantages {got.tolist()} != {want_adv[est][mine].tolist()}")
+    if est != "grpo":  # every rank's advantages, as computed on 2 ranks
+        advantages = all_cat(got[:, None])[:, 0]  # (B,)
+        loss, norm, want = reference("bnpo", keep)
+        flags = ["--advantage_estimator", est, "--scale_rewards", str(est != "rloo")]
+        check(f"{est} micro=1", 3, grpo_args("bnpo", 1, 0, False, flags), keep, loss, norm, want)
 
 
 def synthetic(group_rewards):

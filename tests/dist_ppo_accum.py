@@ -3,9 +3,10 @@
 The mini-batch is 8 completions, 4 per rank. For micro-batch x accumulation = (4, 1), (1, 4),
 packed micro-batches of 2 and token-budget micro-batches (20 padded tokens), ppo.update's SGD(lr=1)
 update (with ppo.py's own Args) of the actor AND the critic must equal minus the gradient of the
-full-batch policy / value loss computed on plain models. On-policy (no old log-probs in the batch),
-the actor's update must equal the one with old log-probs from the current policy, and logps_out
-must hold them.
+full-batch policy / value loss computed on plain models; with --loss_type cispo and --entropy_coef,
+the actor's update equals that of the loss on the full logits' log-probs and entropy. On-policy
+(no old log-probs in the batch), the actor's update must equal the one with old log-probs from the
+current policy, and logps_out must hold them.
 Usage: torchrun --nproc_per_node 2 tests/dist_ppo_accum.py MODEL_DIR
 """
 
@@ -66,12 +67,13 @@ full["advantages"] = torch.randn(B, C) * cmask
 full["returns"] = torch.randn(B, C) * cmask
 
 
-def ppo_args(micro, packing, budget):
-    """ppo.py's own Args: 2 prompts x 2 completions = 4 rows per rank, one epoch, one mini-batch."""
+def ppo_args(micro, packing, budget, extra=()):
+    """ppo.py's own Args: 2 prompts x 2 completions = 4 rows per rank, one epoch, one mini-batch;
+    extra: more flags."""
     argv = ["--prompts_per_rank", "2", "--num_generations", "2", "--ppo_epochs", "1"]
     argv += ["--num_mini_batches", "1", "--cliprange", "0.2", "--cliprange_value", "0.05"]
     argv += ["--per_device_train_batch_size", str(micro), "--packing", str(packing)]
-    return parse_args(argv + ["--max_tokens_per_microbatch", str(budget)])
+    return parse_args(argv + ["--max_tokens_per_microbatch", str(budget), *extra])
 
 
 args = ppo_args(4, False, 0)
@@ -120,11 +122,8 @@ def sgd_engines(micro):
     return engines
 
 
-failures = []
-# (micro-batch size, packing, token budget): a budget of 20 padded tokens makes micro-batches of
-# 1-3 length-sorted sequences (lengths 4-11), in an order of its own
-for micro, packing, budget in ((4, False, 0), (1, False, 0), (2, True, 0), (4, False, 20)):
-    args = ppo_args(micro, packing, budget)
+def check(label, args, micro, want):
+    """ppo.update on 2 ranks (rows 4 * rank ... + 3 each), SGD(lr=1), against the gradients want."""
     engines = sgd_engines(micro)
     before = {}
     for name, e in engines.items():
@@ -140,11 +139,33 @@ for micro, packing, budget in ((4, False, 0), (1, False, 0), (2, True, 0), (4, F
                 w = want[(name, k)]
                 if not torch.allclose(got, w, rtol=1e-4, atol=1e-6):
                     failures.append(
-                        f"micro={micro} packing={packing} budget={budget} {name}.{k}: max err "
-                        f"{(got - w).abs().max():.3g}"
+                        f"{label} {name}.{k}: max err {(got - w).abs().max():.3g}"
                         f" (grad max {w.abs().max():.3g})"
                     )
         e.destroy()
+
+
+failures = []
+# (micro-batch size, packing, token budget): a budget of 20 padded tokens makes micro-batches of
+# 1-3 length-sorted sequences (lengths 4-11), in an order of its own
+for micro, packing, budget in ((4, False, 0), (1, False, 0), (2, True, 0), (4, False, 20)):
+    label = f"micro={micro} packing={packing} budget={budget}"
+    check(label, ppo_args(micro, packing, budget), micro, want)
+
+# --loss_type cispo with --entropy_coef: the actor's gradient equals that of the loss on the full
+# logits' log-probs and entropy (the fused entropy's gradient, under ZeRO-3 with accumulation)
+actor, critic = models()
+pos = (am.cumsum(1) - 1).clamp(min=0)
+logits = actor(input_ids=ids, attention_mask=am, position_ids=pos).logits  # (B, P + C, V)
+lsm = logits[:, P - 1 : -1].log_softmax(-1)  # (B, C, V)
+logps, entropy = lsm.gather(-1, ids[:, P:, None])[..., 0], -(lsm.exp() * lsm).sum(-1)  # (B, C)
+adv, old = full["advantages"], full["old_logps"]
+loss, _ = policy_loss(logps, old, adv, cmask, 0.2, n, "cispo", entropy, 0.05)
+loss.backward()
+want_cispo = {**want, **{("actor", k): p.grad.clone() for k, p in actor.named_parameters()}}
+for micro, packing in ((1, False), (2, True)):
+    args = ppo_args(micro, packing, 0, ["--loss_type", "cispo", "--entropy_coef", "0.05"])
+    check(f"cispo entropy micro={micro} packing={packing}", args, micro, want_cispo)
 
 # on-policy (one epoch, one mini-batch): without old log-probs the update takes its own forward's,
 # so the policy gradient is the one with old = the current policy's (ratio 1), micro-batches of 1

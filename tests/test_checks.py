@@ -315,7 +315,7 @@ def test_unknown_loss_type_and_flags(env, capsys):
     assert fails(
         capsys,
         preflight(grpo.main, env, "--loss_type", "sum"),
-        "choose one of ('grpo', 'bnpo', 'dr_grpo')",
+        f"choose one of {grpo.LOSS_TYPES}",
     )
     assert fails(
         capsys,

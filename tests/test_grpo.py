@@ -10,7 +10,14 @@ import torch
 import harness
 from conftest import torchrun
 from fit import Knobs
-from grpo import LOSS_TYPES, group_advantages, grpo_loss, loss_normalizer
+from grpo import (
+    ADVANTAGE_ESTIMATORS,
+    LOSS_TYPES,
+    estimate_advantages,
+    group_advantages,
+    grpo_loss,
+    loss_normalizer,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -39,27 +46,96 @@ def test_group_advantages(scale, G):
         group_advantages(torch.rand(5), 2, scale=scale)
 
 
-def naive_loss(logps, old, ref, adv, mask, beta, el, eh, loss_type, C, is_w=None):
-    """Token by token, sequence by sequence, in Python floats."""
-    total, tokens, seqs = 0.0, 0, len(logps)
-    for i in range(seqs):
-        seq_sum, n = 0.0, 0
-        for t in range(len(logps[i])):
-            if not mask[i][t]:
-                continue
-            ratio = math.exp(logps[i][t] - old[i][t])
-            clipped = min(max(ratio, 1 - el), 1 + eh)
-            tok = -min(ratio * adv[i], clipped * adv[i])
+def naive_estimate(rewards, G, estimator, scale, keep):
+    """grpo: naive_advantages; rloo: r_i minus the mean of the group's others; reinforce_pp: r
+    minus the group mean, then (x - mean) / (unbiased std + 1e-4) over the kept rows."""
+    if estimator == "grpo":
+        return naive_advantages(rewards, G, scale)
+    out = []
+    for start in range(0, len(rewards), G):
+        group = rewards[start : start + G]
+        for i, r in enumerate(group):
+            others = group[:i] + group[i + 1 :]
+            out.append(r - sum(others) / (G - 1) if estimator == "rloo" else r - sum(group) / G)
+    if estimator == "reinforce_pp":
+        kept = [a for a, k in zip(out, keep) if k]
+        mean = sum(kept) / len(kept)
+        std = math.sqrt(sum((a - mean) ** 2 for a in kept) / (len(kept) - 1))
+        out = [(a - mean) / (std + 1e-4) for a in out]
+    return out
+
+
+@pytest.mark.parametrize("estimator", ADVANTAGE_ESTIMATORS)
+@pytest.mark.parametrize("G", [2, 4])
+@pytest.mark.parametrize("dropped", [False, True])
+def test_estimate_advantages_matches_naive(estimator, G, dropped):
+    """--advantage_estimator, each against its naive loop; reinforce_pp's statistics count only
+    the rows the update keeps (one process: all_sum is this rank's own)."""
+    torch.manual_seed(1)
+    rewards = torch.rand(3 * G, dtype=torch.float64) * 3
+    keep = torch.ones(3 * G, dtype=torch.bool)
+    if dropped:
+        keep[G : 2 * G] = False
+    scale = estimator != "rloo"
+    got = estimate_advantages(rewards, G, estimator, scale, keep)
+    want = naive_estimate(rewards.tolist(), G, estimator, scale, keep.tolist())
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64))
+    if estimator == "reinforce_pp":  # whitened: mean 0 and std 1 over the kept rows
+        assert abs(got[keep].mean().item()) < 1e-9
+        assert got[keep].std().item() == pytest.approx(1.0, rel=1e-3)
+    with pytest.raises(ValueError, match="estimator"):
+        estimate_advantages(rewards, G, "ppo")
+
+
+def clip_term(r, a, lp, el, eh):
+    """The clipped surrogate of one token (grpo, bnpo, dr_grpo): ratio r, advantage a."""
+    return -torch.min(r * a, r.clamp(1 - el, 1 + eh) * a)
+
+
+def cispo_term(r, a, lp, el, eh):
+    """CISPO (MiniMax-M1): the capped ratio, a constant, weighs the token's log-prob lp."""
+    return -r.clamp(max=1 + eh).detach() * a * lp
+
+
+# Each loss type's naive reference, in this one table: its per-token term, whether a sequence's
+# tokens are averaged first (grpo) or summed, and the denominator from (sequences, tokens, C).
+NAIVE = {
+    "grpo": (clip_term, True, lambda seqs, tokens, C: seqs),
+    "bnpo": (clip_term, False, lambda seqs, tokens, C: tokens),
+    "dr_grpo": (clip_term, False, lambda seqs, tokens, C: seqs * C),
+    "cispo": (cispo_term, False, lambda seqs, tokens, C: tokens),
+}
+
+
+def test_every_loss_type_has_a_naive_reference():
+    assert set(NAIVE) == set(LOSS_TYPES)
+
+
+def naive_loss(logps, old, ref, adv, mask, beta, el, eh, loss_type, C, **kw):
+    """Token by token, sequence by sequence, on 0-d tensors (so gradients compare too). kw:
+    is_w (B, C) importance weights, ent (B, C) entropies with coef, level "sequence" (GSPO,
+    Zheng et al. 2025: s_i = exp(mean over its tokens of logp - old), shared by its tokens)."""
+    term, seq_mean, denom = NAIVE[loss_type]
+    is_w, ent, coef = kw.get("is_w"), kw.get("ent"), kw.get("coef", 0.0)
+    total, tokens = 0.0, 0
+    for i in range(len(logps)):
+        toks = [t for t in range(len(logps[i])) if mask[i][t]]
+        s = torch.exp(sum(logps[i][t] - old[i][t] for t in toks) / max(len(toks), 1))
+        seq_sum = 0.0
+        for t in toks:
+            r = s if kw.get("level") == "sequence" else torch.exp(logps[i][t] - old[i][t])
+            tok = term(r, adv[i], logps[i][t], el, eh)
             if is_w is not None:
-                tok *= is_w[i][t]
+                tok = tok * is_w[i][t]
             if beta > 0:
                 d = ref[i][t] - logps[i][t]
-                tok += beta * (math.exp(d) - d - 1)
-            seq_sum += tok
-            n += 1
-        tokens += n
-        total += seq_sum / max(n, 1) if loss_type == "grpo" else seq_sum
-    return total / {"grpo": seqs, "bnpo": tokens, "dr_grpo": seqs * C}[loss_type]
+                tok = tok + beta * (torch.exp(d) - d - 1)
+            if coef:
+                tok = tok - coef * ent[i][t]
+            seq_sum = seq_sum + tok
+        tokens += len(toks)
+        total = total + (seq_sum / max(len(toks), 1) if seq_mean else seq_sum)
+    return total / denom(len(logps), tokens, C)
 
 
 def make_batch(B=6, C=5, seed=0, iterations=2):
@@ -80,25 +156,21 @@ def make_batch(B=6, C=5, seed=0, iterations=2):
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("clip", [(0.2, 0.2), (0.1, 0.3)])
 @pytest.mark.parametrize("iterations", [1, 2])
-def test_grpo_loss_matches_naive(loss_type, beta, clip, iterations):
+@pytest.mark.parametrize("coef", [0.0, 0.05])
+def test_grpo_loss_matches_naive(loss_type, beta, clip, iterations, coef):
+    """Loss and gradient (through the log-probs and, with --entropy_coef, the entropies)."""
     logps, old, ref, adv, mask = make_batch(iterations=iterations)
+    ent = torch.rand_like(logps) * 2
     C = logps.shape[1]
     el, eh = clip
+    naive_lp, naive_ent = logps.clone().requires_grad_(True), ent.clone().requires_grad_(True)
     want = naive_loss(
-        logps.tolist(),
-        old.tolist(),
-        ref.tolist(),
-        adv.tolist(),
-        mask.tolist(),
-        beta,
-        el,
-        eh,
-        loss_type,
-        C,
+        naive_lp, old, ref, adv, mask.tolist(), beta, el, eh, loss_type, C, ent=naive_ent, coef=coef
     )
-    logps = logps.clone().requires_grad_(True)
+    want.backward()
+    lp, en = logps.clone().requires_grad_(True), ent.clone().requires_grad_(True)
     loss, metrics = grpo_loss(
-        logps,
+        lp,
         old if iterations > 1 else None,
         ref if beta else None,
         adv,
@@ -108,32 +180,48 @@ def test_grpo_loss_matches_naive(loss_type, beta, clip, iterations):
         epsilon_high=eh,
         loss_type=loss_type,
         normalizer=loss_normalizer(mask, loss_type, C),
+        entropy=en,
+        entropy_coef=coef,
     )
-    assert loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-10, abs=1e-12)
     assert metrics["tokens"].item() == mask.sum().item()
     if iterations > 1:  # with these ratios some tokens clip on each side
         assert metrics["clip_low"].item() + metrics["clip_high"].item() > 0
-    # the gradient reaches exactly the unmasked, unclipped tokens (plus every token when beta > 0)
     loss.backward()
-    assert torch.all(logps.grad[mask == 0] == 0)
+    torch.testing.assert_close(lp.grad, naive_lp.grad, rtol=1e-9, atol=1e-12)
+    assert torch.all(lp.grad[mask == 0] == 0)  # the gradient reaches only unmasked tokens
+    if coef:
+        torch.testing.assert_close(en.grad, naive_ent.grad, rtol=1e-9, atol=1e-12)
+    else:  # no bonus: the entropies get no gradient at all (their backward is skipped)
+        assert en.grad is None
+
+
+def test_cispo_keeps_every_tokens_gradient():
+    """CISPO's ratio only weighs the score function: with ratios outside the band every token
+    still gets a gradient (the clipped loss zeroes some); clip_high counts the capped weights
+    whatever the advantage's sign, clip_low stays 0 (no lower cap)."""
+    logps, old, ref, adv, mask = make_batch(iterations=2)
+    ratio = torch.exp(logps - old)
+    grads = {}
+    for loss_type in ("bnpo", "cispo"):
+        lp = logps.clone().requires_grad_(True)
+        kw = dict(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type=loss_type)
+        loss, metrics = grpo_loss(lp, old, None, adv, mask, normalizer=1.0, **kw)
+        loss.backward()
+        grads[loss_type] = lp.grad
+    on = mask.bool()
+    assert (grads["bnpo"][on] == 0).any() and (grads["cispo"][on] != 0).all()
+    assert metrics["clip_low"].item() == 0
+    assert metrics["clip_high"].item() == ((ratio > 1.2) & on).sum().item() > 0
+    # where the ratio stays inside the band, the gradients are the clipped loss's
+    inside = on & (ratio < 1.2) & (ratio > 0.8)
+    torch.testing.assert_close(grads["cispo"][inside], grads["bnpo"][inside])
 
 
 def test_grpo_loss_is_weights_and_errors():
     logps, old, ref, adv, mask = make_batch()
     is_w = torch.rand_like(logps)
-    want = naive_loss(
-        logps.tolist(),
-        old.tolist(),
-        ref.tolist(),
-        adv.tolist(),
-        mask.tolist(),
-        0.0,
-        0.2,
-        0.2,
-        "bnpo",
-        5,
-        is_w.tolist(),
-    )
+    want = naive_loss(logps, old, ref, adv, mask.tolist(), 0.0, 0.2, 0.2, "bnpo", 5, is_w=is_w)
     loss, _ = grpo_loss(
         logps,
         old,
@@ -147,7 +235,7 @@ def test_grpo_loss_is_weights_and_errors():
         normalizer=loss_normalizer(mask, "bnpo", 5),
         is_weights=is_w,
     )
-    assert loss.item() == pytest.approx(want, rel=1e-10)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-10)
     with pytest.raises(ValueError, match="loss_type"):
         grpo_loss(
             logps,
@@ -176,23 +264,6 @@ def test_grpo_loss_is_weights_and_errors():
         )
 
 
-def naive_gspo_loss(logps, old, ref, adv, mask, beta, el, eh, loss_type, C):
-    """GSPO (Zheng et al. 2025) sequence by sequence: s_i = exp(mean over its tokens of
-    logp - old), clipped as a whole; each token carries -min(s_i A_i, clip(s_i) A_i) (+ k3 KL)."""
-    total, tokens = 0.0, 0
-    for i in range(len(logps)):
-        toks = [t for t in range(len(logps[i])) if mask[i][t]]
-        s = torch.exp(sum(logps[i][t] - old[i][t] for t in toks) / max(len(toks), 1))
-        term = -torch.min(s * adv[i], s.clamp(1 - el, 1 + eh) * adv[i])
-        seq_sum = 0.0
-        for t in toks:
-            d = ref[i][t] - logps[i][t]
-            seq_sum = seq_sum + term + (beta * (torch.exp(d) - d - 1) if beta > 0 else 0.0)
-        tokens += len(toks)
-        total = total + (seq_sum / max(len(toks), 1) if loss_type == "grpo" else seq_sum)
-    return total / {"grpo": len(logps), "bnpo": tokens, "dr_grpo": len(logps) * C}[loss_type]
-
-
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("iterations", [1, 2])
@@ -202,7 +273,8 @@ def test_gspo_sequence_level_matches_naive(loss_type, beta, iterations):
     logps, old, ref, adv, mask = make_batch(iterations=iterations)
     C = logps.shape[1]
     naive_lp = logps.clone().requires_grad_(True)
-    want = naive_gspo_loss(naive_lp, old, ref, adv, mask.tolist(), beta, 0.1, 0.3, loss_type, C)
+    kw = dict(level="sequence")
+    want = naive_loss(naive_lp, old, ref, adv, mask.tolist(), beta, 0.1, 0.3, loss_type, C, **kw)
     want.backward()
     lp = logps.clone().requires_grad_(True)
     kw = dict(beta=beta, epsilon_low=0.1, epsilon_high=0.3, loss_type=loss_type)
@@ -292,6 +364,51 @@ def test_dynamic_sampling_refills_to_the_batch_size_and_stops_at_the_cap():
     assert stats["dynamic/groups_short"] == 2.0 and stats["dynamic/extra_rounds"] == 0
 
 
+@pytest.mark.parametrize("loss_type", ["bnpo", "cispo"])
+def test_entropy_bonus_gradient_equals_full_logits_entropy(tiny_model, loss_type):
+    """--entropy_coef through the fused entropy logprobs.py computes (batching.forward_logps, as
+    the update calls it): the weights' gradient equals that of the naive loss on the full logits'
+    log_softmax and entropy -sum p log p, at temperature 0.7."""
+    from transformers import AutoModelForCausalLM
+
+    from batching import forward_logps, micro_slice
+
+    torch.manual_seed(0)
+    B, P, C, T, cpu = 4, 3, 4, 0.7, torch.device("cpu")
+    ids = torch.randint(4, 30, (B, P + C))
+    am = torch.cat(
+        [torch.ones(B, P), torch.arange(C)[None] < torch.tensor([[4], [2], [3], [1]])], 1
+    )
+    mb = micro_slice(
+        {"input_ids": ids, "attention_mask": am.long(), "completion_mask": am[:, P:].long()},
+        torch.arange(B),
+    )
+    old = torch.randn(B, C, dtype=torch.float64) * 0.3 - 3
+    adv, mask = torch.randn(B, dtype=torch.float64), mb["completion_mask"]
+    kw = dict(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type=loss_type)
+    kw["normalizer"] = loss_normalizer(mask, loss_type, C)
+    grads = []
+    for fused in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
+        if fused:
+            logps, ent = forward_logps(model, mb, T, False, cpu, return_entropy=True)
+            loss, _ = grpo_loss(logps, old, None, adv, mask, entropy=ent, entropy_coef=0.5, **kw)
+        else:  # (B, T, V) logits, one token at a time
+            logits = model(input_ids=ids, attention_mask=am.long()).logits[:, P - 1 : -1] / T
+            lsm = logits.log_softmax(-1)  # (B, C, V)
+            logps = lsm.gather(-1, ids[:, P:, None]).squeeze(-1)  # (B, C)
+            ent = -(lsm.exp() * lsm).sum(-1)  # (B, C)
+            m = mask.tolist()
+            loss = naive_loss(
+                logps, old, None, adv, m, 0.0, 0.2, 0.2, loss_type, C, ent=ent, coef=0.5
+            )
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][name], rtol=1e-7, atol=1e-10, msg=name)
+    assert grads[0]["lm_head.weight"].abs().max() > 0
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batch_losses_sum_to_full_batch(loss_type):
     """docs/accumulation.md, "Accumulation never changes the update", on the pure function:
@@ -336,6 +453,9 @@ def test_bad_input_fails_with_a_message_that_says_what_to_change(tmp_path):
         (["--num_generations", "1"], ">= 2"),
         (["--vllm_importance_cap", "2"], "needs --use_vllm"),
         (["--importance_sampling_level", "group"], "token"),
+        (["--advantage_estimator", "gae"], "choose one of"),
+        (["--advantage_estimator", "rloo"], "needs --scale_rewards False"),
+        (["--advantage_estimator", "reinforce_pp", "--scale_rewards", "False"], "True"),
     ):
         with pytest.raises(RunError, match=msg):
             parse_args(argv)

@@ -12,6 +12,7 @@ import torch
 import ppo
 from conftest import torchrun
 from ppo import (
+    POLICY_LOSSES,
     gae,
     masked_whiten,
     needs_old_logps,
@@ -141,6 +142,58 @@ def test_policy_loss_hand_computed():
     torch.testing.assert_close(
         logps.grad, torch.tensor([[0.0, 1.5, -0.5, 0.0, 0.0]], dtype=torch.float64) / 8.0
     )
+
+
+# each policy loss's naive per-token term (ratio r, advantage a, log-prob lp, cliprange eps)
+NAIVE_POLICY = {
+    "ppo": lambda r, a, lp, eps: torch.max(-a * r, -a * r.clamp(1 - eps, 1 + eps)),
+    "cispo": lambda r, a, lp, eps: -r.clamp(max=1 + eps).detach() * a * lp,  # MiniMax-M1
+}
+
+
+def test_every_policy_loss_has_a_naive_reference():
+    assert set(NAIVE_POLICY) == set(POLICY_LOSSES)
+
+
+@pytest.mark.parametrize("loss_type", POLICY_LOSSES)
+@pytest.mark.parametrize("coef", [0.0, 0.1])
+def test_policy_loss_matches_naive(loss_type, coef):
+    """--loss_type and --entropy_coef: loss, gradients (log-probs, entropies) and the clip count
+    against a token-by-token loop; CISPO gives every unmasked token a gradient."""
+    g = torch.Generator().manual_seed(2)
+    logps = -torch.rand(4, 5, generator=g, dtype=torch.float64) * 3
+    old = logps + (torch.rand(4, 5, generator=g, dtype=torch.float64) - 0.5) * 0.8
+    adv, ent = (torch.randn(4, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = (torch.rand(4, 5, generator=g) > 0.2).long()
+    lp, en = logps.clone().requires_grad_(True), ent.clone().requires_grad_(True)
+    total, clip = 0.0, 0
+    for i in range(4):
+        for t in range(5):
+            if mask[i, t]:
+                r = torch.exp(lp[i, t] - old[i, t])
+                total = total + NAIVE_POLICY[loss_type](r, adv[i, t], lp[i, t], 0.2)
+                total = total - coef * en[i, t]
+                a = adv[i, t]  # ppo: clipped where the clip binds; cispo: where r is capped
+                ppo_clip = (a > 0 and r > 1.2) or (a < 0 and r < 0.8)
+                clip += bool(r > 1.2 if loss_type == "cispo" else ppo_clip)
+    (total / 7.0).backward()
+    want_lp, want_en = lp.grad, en.grad
+    lp, en = logps.clone().requires_grad_(True), ent.clone().requires_grad_(True)
+    loss, m = policy_loss(lp, old, adv, mask, 0.2, 7.0, loss_type, en, coef)
+    loss.backward()
+    assert loss.item() == pytest.approx(total.item() / 7.0, rel=1e-10)
+    torch.testing.assert_close(lp.grad, want_lp)
+    assert m["clip"].item() == clip > 0
+    if coef:
+        torch.testing.assert_close(en.grad, want_en)
+    else:
+        assert en.grad is None  # no bonus: the entropy's backward never runs
+    if loss_type == "cispo":
+        assert (lp.grad[mask == 1] != 0).all()
+    with pytest.raises(ValueError, match="loss_type"):
+        policy_loss(lp, old, adv, mask, 0.2, 7.0, "grpo")
+    with pytest.raises(ppo.RunError, match="choose one of"):
+        parse_args(["--loss_type", "grpo"])
 
 
 def test_value_loss_hand_computed():

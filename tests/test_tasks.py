@@ -1,7 +1,10 @@
 """tasks.py: the built-in task, reward functions and their loading; data.py's JSONL loading and
-the data order (its other formats and conversations: test_data.py)."""
+the data order (its other formats and conversations: test_data.py); pass@k and the held-out
+evaluation that logs it (harness.Run.held_out)."""
 
+import itertools
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from tasks import (
     default_task,
     exact_match_reward,
     format_reward,
+    pass_at_k,
     reward_functions,
     score_completions,
 )
@@ -128,3 +132,47 @@ def test_batch_rows_is_a_function_of_the_step_and_covers_each_epoch():
     assert batch_rows(train, 0, 32, 0) != batch_rows(train, 25, 32, 0)
     across = batch_rows(train, 24, 48, 0)  # a step that straddles two epochs still has n rows
     assert len(across) == 48
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_matches_counting_subsets(n):
+    """Chen et al.'s estimator against its definition: the share of the C(n, k) k-subsets of the
+    n samples that hold at least one correct sample."""
+    for c in range(n + 1):
+        samples = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(samples, k))
+            want = sum(any(s) for s in subsets) / len(subsets)
+            assert pass_at_k(n, c, k) == pytest.approx(want, rel=1e-12, abs=1e-15)
+        assert pass_at_k(n, c, 1) == pytest.approx(c / n) and pass_at_k(n, c, n) == (c > 0)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_held_out_logs_pass_at_k_only_with_several_samples(k):
+    """Run.held_out on one process (all_sum is this rank's own), a fake sampler: k samples per
+    prompt, prompt-major. k = 1 logs the keys earlier runs logged; k > 1 adds eval/pass@1 (the
+    mean of c / k) and eval/pass@k (the share of prompts with a correct sample)."""
+    import harness
+
+    correct = {1: [1, 0, 0, 1], 3: [1, 0, 0, 0, 0, 0, 1, 1, 1, 0, 1, 0]}[k]  # c = 1, 0, 3, 1
+    run = object.__new__(harness.Run)
+    rows, logged = [{"prompt": str(i)} for i in range(4)], []
+    run.vllm, run.eval_rows, run.rank, run.world = None, rows, 0, 1
+    run.args = SimpleNamespace(eval_samples=k, seed=0)
+    run.log, run.say = SimpleNamespace(record=logged.append), lambda *a: None
+
+    def sample(mine):
+        assert mine == rows
+        got = torch.tensor(correct, dtype=torch.float32)  # (4 * k,)
+        return got * 2, {"correct": got}
+
+    run.eval_sample = sample
+    assert run.held_out(5, "step 5") == pytest.approx(2 * sum(correct) / (4 * k))
+    row = logged[0]
+    assert row["eval/accuracy"] == pytest.approx(sum(correct) / (4 * k))
+    if k == 1:
+        assert set(row) == {"step", "eval/reward", "eval/accuracy"}
+    else:
+        assert set(row) == {"step", "eval/reward", "eval/accuracy", "eval/pass@1", "eval/pass@3"}
+        assert row["eval/pass@1"] == pytest.approx((1 + 0 + 3 + 1) / 3 / 4)
+        assert row["eval/pass@3"] == pytest.approx(3 / 4)
