@@ -31,7 +31,9 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from generation import Generations
 from logprobs import model_logps
 from zero3_utils import all_max, all_reduce_, comm_device
 
@@ -112,6 +114,46 @@ def stop_token_ids(tokenizer, model_path):
         }
         ids |= set([i for i in tail["input_ids"] if i in special][:1])
     return sorted(i for i in ids if i is not None)
+
+
+def take_groups(sample, groups, G):
+    """The groups (prompt indices) `groups` of a rollout {"prompt_ids": N lists, "gens":
+    Generations (N * G rows, prompt-major), "rewards": (N * G,), "per_func": {name: (N * G,)}}
+    (grpo.sample_groups), in that order."""
+    rows = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
+    gens = sample["gens"]
+    return {
+        "prompt_ids": [sample["prompt_ids"][g] for g in groups],
+        "gens": Generations(
+            gens.completion_ids[rows],
+            gens.completion_mask[rows],
+            None if gens.logprobs is None else gens.logprobs[rows],
+        ),
+        "rewards": sample["rewards"][rows],
+        "per_func": {k: v[rows] for k, v in sample["per_func"].items()},
+    }
+
+
+def cat_groups(samples, pad_id):
+    """Rollouts (take_groups' form) one after another, completions right-padded to the longest."""
+    C = max(s["gens"].completion_ids.shape[1] for s in samples)
+
+    def cat(field, value):
+        parts = [getattr(s["gens"], field) for s in samples]  # (n * G, c) each, or None
+        if parts[0] is None:
+            return None
+        return torch.cat([F.pad(t, (0, C - t.shape[1]), value=value) for t in parts])  # (., C)
+
+    return {
+        "prompt_ids": [p for s in samples for p in s["prompt_ids"]],
+        "gens": Generations(
+            cat("completion_ids", pad_id), cat("completion_mask", 0), cat("logprobs", 0.0)
+        ),
+        "rewards": torch.cat([s["rewards"] for s in samples]),
+        "per_func": {
+            k: torch.cat([s["per_func"][k] for s in samples]) for k in samples[0]["per_func"]
+        },
+    }
 
 
 def make_batch(prompt_ids, gens, pad_id):

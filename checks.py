@@ -100,18 +100,14 @@ def entry(main, argv=None):
         if not is_out_of_memory(e):
             raise
         # memory.MemoryLedger names the phase; outside any phase this is model or optimizer set-up
-        msg = (
-            str(e)
-            if "in phase" in str(e)
-            else (
-                f"out of memory outside the training phases (loading the models or building the "
-                "optimizer): "
-                f"{str(e).splitlines()[0][:200]}; use a ZeRO-3 config (configs/zero3.json), "
-                "offload "
-                f"(configs/zero3_offload.json), or more GPUs; `--estimate_memory True` predicts "
-                "each phase"
+        msg = str(e)
+        if "in phase" not in msg:
+            msg = (
+                "out of memory outside the training phases (loading the models or building the "
+                f"optimizer): {msg.splitlines()[0][:200]}; use a ZeRO-3 config (configs/zero3.json"
+                "), offload (configs/zero3_offload.json), or more GPUs; `--estimate_memory True` "
+                "predicts each phase"
             )
-        )
         report(msg, everywhere=False)
         return EXIT_OOM
 
@@ -260,10 +256,11 @@ def check_ranges(args):
 
 
 # ---- Pre-flight: inputs, before any model is loaded or any step is taken -------------------------
-def check_inputs(args, rank, reward_model="", env=""):
+def check_inputs(args, rank, reward_model="", env="", teacher=""):
     """The inputs both loops share, checked in order: the DeepSpeed JSON's shape (what this project
     supports), data (each row, conversations included), training rows left, the reward functions
-    (or, with a reward_model path, that model: one label, the policy's tokenizer) and the answers
+    (or, with a reward_model path, that model: one label, the policy's tokenizer; a teacher: the
+    policy's tokenizer) and the answers
     they read, the model (the built-in task's is built here by rank 0) and its weights, its
     tokenizer (eos and pad tokens), the chat template on every prompt, prompt lengths (one
     warning), the reward functions on real prompts (as conversations with an `env`, grpo.py's
@@ -295,8 +292,9 @@ def check_inputs(args, rank, reward_model="", env=""):
     model_path = task_model(args.model, args.run_dir, rank, args.seed)
     config = check_model_path(model_path)
     tokenizer = load_tokenizer(model_path, args.pad_token)
-    if reward_model:
-        check_reward_model(reward_model, tokenizer, args.pad_token)
+    for flag, path in (("--reward_model", reward_model), ("--teacher_model", teacher)):
+        if path:  # models beside the policy, on its token ids
+            check_beside(path, flag, tokenizer, args.pad_token)
     stop_ids = stop_token_ids(tokenizer, model_path)
     lengths = check_templates(tokenizer, train_rows[:20000] + eval_rows, args, model_path, kwargs)
     warning = long_prompt_warning(lengths, args.max_prompt_length)
@@ -330,15 +328,16 @@ def check_inputs(args, rank, reward_model="", env=""):
     )
 
 
-def check_reward_model(path, tokenizer, pad_token):
-    """A sequence-classification reward model with one label and the policy's tokenizer (token
-    ids are passed to it as they are)."""
-    check_sequence_classifier(check_model_path(path, "--reward_model"), path)
-    rm_tokenizer = load_tokenizer(path, pad_token, need_eos=False)
-    if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
+def check_beside(path, flag, tokenizer, pad_token):
+    """A model beside the policy (--reward_model: a one-label sequence classifier; --teacher_model)
+    reads the policy's token ids as they are: its tokenizer must be the policy's."""
+    config = check_model_path(path, flag)
+    if flag == "--reward_model":
+        check_sequence_classifier(config, path)
+    if load_tokenizer(path, pad_token, need_eos=False).get_vocab() != tokenizer.get_vocab():
         raise RunError(
-            f"--reward_model {path} has another tokenizer than the actor; this loop passes token "
-            "ids as they are: use a reward model trained on the actor's tokenizer"
+            f"{flag} {path} has another tokenizer than the policy; token ids are passed as they "
+            "are: use a model trained on the policy's tokenizer"
         )
 
 

@@ -47,7 +47,7 @@ from zero3_utils import all_max, all_reduce_
 
 # the ledger's phases that micro-batches and the log-prob tile drive (the loops' names; a phase a
 # loop does not have peaks at 0)
-DRIVEN_PHASES = ("old_logprobs", "ref_logprobs", "logprobs", "update")
+DRIVEN_PHASES = ("old_logprobs", "ref_logprobs", "teacher_logprobs", "logprobs", "update")
 # a colocated vLLM 0.32 CPU engine's resident set beyond its KV cache and weights: measured on
 # SmolLM2-135M-Instruct (docs/real-model.md), a rank's RSS rose 3.6 GB from before the engine to
 # the end of its first rollout, with a 1 GB KV cache and 0.54 GB of fp32 weights
@@ -91,6 +91,7 @@ OOM_HINTS = {
     "--packing True",
     "ref_logprobs": f"{_MICRO}; --frozen_offload True keeps the reference model's shards in CPU "
     "memory",
+    "teacher_logprobs": f"{_MICRO}; --frozen_offload True keeps the teacher's shards in CPU memory",
     "logprobs": f"{_MICRO}; lower --logprob_chunk_size; --frozen_offload True keeps the reference "
     "and reward shards in CPU memory; --packing True",
     "update": f"--gradient_checkpointing True, {_MICRO}, lower --logprob_chunk_size, --packing "
@@ -156,8 +157,10 @@ def estimate_kwargs(args, world, models, knobs=None):
     ds = read_ds_json(args.ds_config)  # readable, an object, a supported ZeRO set-up
     zero, cuda = ds.get("zero_optimization", {}), torch.cuda.is_available()
     S = args.max_prompt_length + args.max_completion_length
-    rm = models.get("reward_model")
+    rm, teacher = models.get("reward_model"), models.get("teacher")
     rm = _config_for(rm, "--reward_model") if rm else None
+    # a frozen model beside the policy: PPO's reward model, or GRPO's distillation teacher
+    frozen = rm or (_config_for(teacher, "--teacher_model") if teacher else None)
     kw = dict(
         model_config=config,
         device_gb=torch.cuda.get_device_properties(0).total_memory / GB if cuda else 80.0,
@@ -182,7 +185,7 @@ def estimate_kwargs(args, world, models, knobs=None):
         fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False),
         reference_model=bool(models.get("reference")),
         critic_config=(rm or config) if models.get("critic") else None,
-        reward_config=rm,
+        reward_config=frozen,
         phase_groups=models.get("phases"),
     )
     # a vLLM server (--vllm_mode server) runs on devices of its own: nothing on the trainer's

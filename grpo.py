@@ -4,9 +4,8 @@
 
 One step: each rank samples `num_generations` completions for each of its prompts (a whole group
 on one rank), scores them, turns rewards into group-relative advantages, computes old/reference
-log-probs without gradients, then `update` trains the policy in micro-batches, each loss divided
-by the whole batch's normaliser (docs/update.md). harness.py runs the rest (set-up, logging,
-held-out evaluation, checkpoints).
+log-probs without gradients, then `update` trains the policy in micro-batches (docs/update.md).
+harness.py runs the rest (set-up, logging, held-out evaluation, checkpoints).
 
 Letters in shape comments: B sequences in a (micro-)batch, P prompt tokens, C completion tokens
 (max_completion_length), T = P + C, G num_generations, N prompts, V vocabulary.
@@ -19,9 +18,9 @@ Departures from the paper and why (docs/grpo.md has the rest):
 - Truncated importance weights against vLLM's own log-probs (--vllm_importance_cap).
 - Every micro-batch loss is divided by the WHOLE batch's normaliser and DeepSpeed's averaging is
   undone, so accumulation never changes the update.
-- Optional: CISPO, RLOO / REINFORCE++ advantages, an entropy bonus (docs/update.md), GSPO's
-  sequence-level ratio, DAPO's dynamic sampling and overlong filtering,
-  multi-turn rollouts with an environment (--env, docs/envs.md), asynchronous GRPO
+- Optional: CISPO, RLOO / REINFORCE++ advantages, an entropy bonus, on-policy distillation
+  (--teacher_model; docs/update.md), GSPO's sequence-level ratio, DAPO's dynamic sampling and
+  overlong filtering, multi-turn rollouts (--env, docs/envs.md), asynchronous GRPO
   (--max_staleness, docs/async.md), LoRA (vLLM and the final model get merged weights).
 """
 
@@ -31,12 +30,20 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 import envs
 import harness
 import recipes
-from batching import all_cat, all_sum, forward_logps, make_batch, micro_batches, plan_micro_batches
+from batching import (
+    all_cat,
+    all_sum,
+    cat_groups,
+    forward_logps,
+    make_batch,
+    micro_batches,
+    plan_micro_batches,
+    take_groups,
+)
 from checks import RunError, arg, entry_code, exit_process
 from data import batch_rows
 from fit import Knobs
@@ -51,6 +58,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # what update() returns summed over ranks: the same keys on every rank, whatever it trained on (a
 # key missing on one rank would make the ranks' all-reduces disagree and hang them)
 UPDATE_METRICS = ("loss", "tokens", "entropy", "ratio", "clip_low", "clip_high", "kl")
+ON_DEVICE = ("old_logps", "ref_logps", "advantages", "is_weights")  # a micro-batch's loss inputs
 
 
 # ---- The algorithm: advantages and loss (pure functions, unit-tested against naive loops) ----
@@ -91,6 +99,15 @@ def estimate_advantages(rewards, num_generations, estimator="grpo", scale=True, 
     mean = s / max(n, 1.0)  # 0 up to rounding: every group's deviations sum to 0
     std = math.sqrt(max(sq - n * mean * mean, 0.0) / max(n - 1, 1.0))  # unbiased, all ranks
     return ((adv - mean) / (std + 1e-4)).to(rewards.dtype)  # (N * G,)
+
+
+def distill_advantages(advantages, logps, teacher_logps, mask, coef, only=False):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Lu et al. 2025): (B, C) per-token
+    advantages, coef x (teacher - student log-prob) of each sampled token, the negated per-token
+    reverse KL of the student from the teacher, plus the reward's advantage (B,) unless `only`.
+    logps, teacher_logps: (B, C) the sampling policy's and the teacher's, no grad; mask (B, C)."""
+    per_token = -coef * (logps - teacher_logps) * mask  # (B, C)
+    return per_token if only else advantages[:, None] + per_token  # (B, C)
 
 
 def loss_normalizer(mask, loss_type, max_completion_length):
@@ -158,7 +175,7 @@ def grpo_loss(
         )
     ratio = torch.exp(log_ratio)  # (B, C)
     clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)  # (B, C)
-    adv = advantages[:, None]  # (B, 1)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, C)
     cispo = loss_type == "cispo"
     if cispo:  # the capped ratio as a constant weight of the score function
         per_token = -ratio.clamp(max=1 + epsilon_high).detach() * adv * logps  # (B, C)
@@ -302,6 +319,11 @@ class Args(harness.RunArgs):
         True, "grpo: advantages / group std; reinforce_pp: / batch std (needs True); rloo: False"
     )
     num_iterations: int = arg(1, "optimizer steps per generated batch", ">= 1")
+    teacher_model: str = arg(
+        "", "on-policy distillation: a frozen teacher (the policy's tokenizer) scores the samples"
+    )
+    distill_coef: float = arg(1.0, "--teacher_model: weight of teacher - student logp", ">= 0")
+    distill_only: bool = arg(False, "--teacher_model: that advantage alone, no reward advantage")
 
 
 def parse_args(argv=None):
@@ -337,6 +359,8 @@ def parse_args(argv=None):
         raise RunError(
             "--dynamic_sampling with --max_staleness > 0 is not supported: drop one of them"
         )
+    if args.distill_only and not args.teacher_model:
+        raise RunError("--distill_only True needs --teacher_model (the teacher to distil)")
     if importance_cap(args) and not args.use_vllm:
         raise RunError(
             "--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)"
@@ -346,7 +370,8 @@ def parse_args(argv=None):
 
 def memory_models(args):
     """What this loop builds beside the policy, for the pre-flight's estimate and checks."""
-    return {"reference": args.beta > 0 and not args.lora_r, "env": args.env}
+    reference = args.beta > 0 and not args.lora_r
+    return {"reference": reference, "env": args.env, "teacher": args.teacher_model}
 
 
 # ---- Rollout: whole groups on this rank, scored ------------------------------------------------
@@ -381,44 +406,6 @@ def sample_groups(run, rows, args, env=None, G=None):
         "per_func": per_func,
         "loss_mask": ep.loss_mask,  # (B, C)
         "env_stats": ep.stats,
-    }
-
-
-def take_groups(sample, groups, G):
-    """The groups (prompt indices) `groups` of a sample_groups() result, in that order."""
-    rows = torch.tensor([g * G + j for g in groups for j in range(G)], dtype=torch.long)
-    gens = sample["gens"]
-    return {
-        "prompt_ids": [sample["prompt_ids"][g] for g in groups],
-        "gens": Generations(
-            gens.completion_ids[rows],
-            gens.completion_mask[rows],
-            None if gens.logprobs is None else gens.logprobs[rows],
-        ),
-        "rewards": sample["rewards"][rows],
-        "per_func": {k: v[rows] for k, v in sample["per_func"].items()},
-    }
-
-
-def cat_groups(samples, pad_id):
-    """sample_groups() results one after another, completions right-padded to the longest."""
-    C = max(s["gens"].completion_ids.shape[1] for s in samples)
-
-    def cat(field, value):
-        parts = [getattr(s["gens"], field) for s in samples]  # (n * G, c) each, or None
-        if parts[0] is None:
-            return None
-        return torch.cat([F.pad(t, (0, C - t.shape[1]), value=value) for t in parts])  # (., C)
-
-    return {
-        "prompt_ids": [p for s in samples for p in s["prompt_ids"]],
-        "gens": Generations(
-            cat("completion_ids", pad_id), cat("completion_mask", 0), cat("logprobs", 0.0)
-        ),
-        "rewards": torch.cat([s["rewards"] for s in samples]),
-        "per_func": {
-            k: torch.cat([s["per_func"][k] for s in samples]) for k in samples[0]["per_func"]
-        },
     }
 
 
@@ -578,6 +565,36 @@ def batch_logps(model, batch, plan, args, knobs, device):
     return out
 
 
+def rollout_logps(run, engine, ref, teacher, batch, plan, args):
+    """The no-grad passes of a step, on the update's micro-batches: the sampling policy's
+    log-probs where a ratio, vLLM's check or distillation needs them, the reference's (beta > 0;
+    with LoRA the policy with its adapters off), the teacher's (--teacher_model: its reverse KL
+    joins the advantages, distill_advantages). Sets them on `batch`; returns metrics."""
+    knobs, device, extra, cap = run.knobs, run.device, {}, importance_cap(args)
+    batch["old_logps"] = batch["ref_logps"] = old = None
+    if args.num_iterations > 1 or cap > 0 or teacher is not None:
+        with run.ledger.phase("old_logprobs"):
+            old = batch_logps(engine.module, batch, plan, args, knobs, device)
+        batch["old_logps"] = old if args.num_iterations > 1 or cap > 0 else None  # ratio 1 else
+    if args.beta > 0:
+        reference = engine.module if ref is None else ref
+        adapters_off = nullcontext() if ref is not None else engine.module.disable_adapter()
+        with run.ledger.phase("ref_logprobs"), adapters_off:
+            batch["ref_logps"] = batch_logps(reference, batch, plan, args, knobs, device)
+    if teacher is not None:
+        with run.ledger.phase("teacher_logprobs"):
+            teacher_logps = batch_logps(teacher, batch, plan, args, knobs, device)  # (B, C)
+        mask = loss_tokens(batch) * keep_mask(batch, args)[:, None]  # (B, C) the trained tokens
+        adv = batch["advantages"]
+        coef, only = args.distill_coef, args.distill_only
+        batch["advantages"] = distill_advantages(adv, old, teacher_logps, mask, coef, only)
+        rkl, n = all_sum([((old - teacher_logps) * mask).sum().item(), mask.sum().item()])
+        extra["distill/reverse_kl"] = rkl / max(n, 1.0)  # per token, all ranks
+    if cap > 0:  # vLLM sampled these tokens; the trainer scores them
+        batch["is_weights"], extra["vllm_is_ratio"] = vllm_importance_weights(batch, args)
+    return extra
+
+
 def update(engine, batch, args, device, ledger=None, knobs=None):
     """The policy update for one step's batch, on every rank alike; returns its metrics summed over
     ranks. In order:
@@ -673,9 +690,6 @@ def train_on_batch(engine, batch, plan, args, knobs, normalizer, device, ledger,
     return sums
 
 
-ON_DEVICE = ("old_logps", "ref_logps", "advantages", "is_weights")  # a micro-batch's loss inputs
-
-
 # ---- The loop --------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
@@ -688,6 +702,7 @@ def main(argv=None):
         policy = run.lora(policy)
     engine = run.train_engine(policy, args.learning_rate)
     ref = run.frozen(run.load(frozen=True)) if memory_models(args)["reference"] else None
+    teacher = run.frozen(run.load(args.teacher_model, frozen=True)) if args.teacher_model else None
     vllm = run.vllm_engine()
 
     def eval_sample(rows):  # --eval_samples completions per held-out prompt, as in training
@@ -696,7 +711,6 @@ def main(argv=None):
 
     run.start(__file__, {"policy": engine}, vllm, eval_sample, sync_for_eval=not args.max_staleness)
     prefetch = start_prefetch(run, args, env) if args.max_staleness else None
-    cap = importance_cap(args)
     for step in run.steps():
         # 1. rollout: whole groups on this rank, scored; advantages on whole groups
         if prefetch is None:
@@ -705,23 +719,9 @@ def main(argv=None):
             first, batch, extra = async_rollout(prefetch, run, step, args)
         t_rollout = time.time() - run.t0
 
-        # 2. old and reference log-probs, no grad, with the update's micro-batches
+        # 2. no grad: old, reference and teacher log-probs, with the update's micro-batches
         plan = micro_plan(batch, args, run.knobs)
-        batch["old_logps"] = batch["ref_logps"] = None
-        if args.num_iterations > 1 or cap > 0:
-            with run.ledger.phase("old_logprobs"):
-                batch["old_logps"] = batch_logps(
-                    engine.module, batch, plan, args, run.knobs, run.device
-                )
-        if args.beta > 0:  # with LoRA the reference is the policy with its adapters off
-            reference = engine.module if ref is None else ref
-            adapters_off = nullcontext() if ref is not None else engine.module.disable_adapter()
-            with run.ledger.phase("ref_logprobs"), adapters_off:
-                batch["ref_logps"] = batch_logps(
-                    reference, batch, plan, args, run.knobs, run.device
-                )
-        if cap > 0:  # vLLM sampled these tokens; the trainer scores them
-            batch["is_weights"], extra["vllm_is_ratio"] = vllm_importance_weights(batch, args)
+        extra.update(rollout_logps(run, engine, ref, teacher, batch, plan, args))
 
         # 3. update: keep mask, micro-batches, whole-batch normaliser, optimizer steps
         t1 = time.time()

@@ -228,7 +228,8 @@ def preflight(args, rank, world, models, say=print):
     fitted knobs and the resume. `models`: what the loop builds beside the policy (fit.py)."""
     check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
     check_new_run(args.run_dir, args.resume, args.overwrite)  # before anything is written there
-    found = check_inputs(args, rank, models.get("reward_model", ""), models.get("env", ""))
+    beside = [models.get(k, "") for k in ("reward_model", "env", "teacher")]
+    found = check_inputs(args, rank, *beside)
     dtype = training_dtype(args.dtype)
     knobs, _ = fit_to_budget(args, world, models, say)  # the knobs as given, or fitted
     mini = models.get("mini_batches", 1)
@@ -246,6 +247,7 @@ def preflight(args, rank, world, models, say=print):
         raise RunError(f"--frozen_offload needs ZeRO-3 ({args.ds_config} has stage {stage})")
     if args.partitioned_loading and stage == 3:  # safetensors
         paths = [("--model", found["model_path"]), ("--reward_model", models.get("reward_model"))]
+        paths.append(("--teacher_model", models.get("teacher")))
         check_partitioned_loading([(flag, path) for flag, path in paths if path])
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
         check_resume(

@@ -864,3 +864,22 @@ def test_non_finite_steps_are_skipped_on_every_rank_and_a_streak_stops(tiny_mode
     assert (
         "ZeRO-2: non-finite steps skipped" in out and "ZeRO-3: non-finite steps skipped" in out
     ), out
+
+
+def test_a_model_beside_the_policy_needs_its_tokenizer(env, capsys):
+    """--teacher_model (GRPO) and --reward_model (PPO) read the policy's token ids as they are:
+    another tokenizer is refused in the pre-flight, one message naming the flag."""
+    from tiny_models import build_tiny
+
+    teacher = build_tiny(str(env / "teacher"), chars="abc")
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--teacher_model", teacher),
+        f"--teacher_model {teacher} has another tokenizer than the policy",
+    )
+    rm = build_tiny(str(env / "rm"), reward_model=True, chars="abc")
+    assert fails(
+        capsys,
+        preflight(ppo.main, env, "--reward_model", rm, "--reward_funcs", ""),
+        f"--reward_model {rm} has another tokenizer than the policy",
+    )

@@ -456,6 +456,7 @@ def test_bad_input_fails_with_a_message_that_says_what_to_change(tmp_path):
         (["--advantage_estimator", "gae"], "choose one of"),
         (["--advantage_estimator", "rloo"], "needs --scale_rewards False"),
         (["--advantage_estimator", "reinforce_pp", "--scale_rewards", "False"], "True"),
+        (["--distill_only", "True"], "needs --teacher_model"),
     ):
         with pytest.raises(RunError, match=msg):
             parse_args(argv)
@@ -559,3 +560,34 @@ def test_smollm2_calculator_recipe_writes_its_problems_once(tmp_path, monkeypatc
     assert rows == envs.problems(2000)
     mtime = os.path.getmtime(args.data)
     assert envs.problems_file() == args.data and os.path.getmtime(args.data) == mtime
+
+
+def test_distill_advantages_and_per_token_advantages_match_naive():
+    """On-policy distillation: each sampled token's advantage is coef x (teacher - student
+    log-prob), plus the sequence's reward advantage unless distill_only; grpo_loss weighs each
+    token by its own advantage, and a row-constant (B, C) advantage is the (B,) one."""
+    from grpo import distill_advantages
+
+    torch.manual_seed(0)
+    B, C, coef = 3, 4, 0.5
+    adv, student, teacher = torch.randn(B), torch.randn(B, C), torch.randn(B, C)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    both = distill_advantages(adv, student, teacher, mask, coef)
+    alone = distill_advantages(adv, student, teacher, mask, coef, only=True)
+    for i in range(B):
+        for t in range(C):
+            d = -coef * float(student[i, t] - teacher[i, t]) * float(mask[i, t])
+            assert math.isclose(float(alone[i, t]), d, abs_tol=1e-6)
+            assert math.isclose(float(both[i, t]), float(adv[i]) + d, abs_tol=1e-6)
+    kw = dict(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="bnpo")
+    logps = torch.randn(B, C, requires_grad=True)
+    n = float(mask.sum())
+    loss, _ = grpo_loss(logps, None, None, both, mask, normalizer=n, **kw)
+    loss.backward()
+    # on-policy the ratio is 1 and unclipped: loss = -sum(A_t) / n, d loss / d logp_t = -A_t / n
+    naive = -sum(float(both[i, t]) for i in range(B) for t in range(C) if mask[i, t]) / n
+    assert math.isclose(float(loss), naive, rel_tol=1e-5)
+    torch.testing.assert_close(logps.grad, -both * mask / n)
+    per_row, _ = grpo_loss(logps, None, None, adv, mask, normalizer=n, **kw)
+    per_token, _ = grpo_loss(logps, None, None, adv[:, None].expand(B, C), mask, normalizer=n, **kw)
+    torch.testing.assert_close(per_row, per_token)

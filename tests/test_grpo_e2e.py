@@ -60,6 +60,15 @@ def test_zero3_hf_outputs_and_checkpoint(tmp_path):
     # kill -9 and --resume, compared step by step with an uninterrupted run:
     # tests/test_checkpoint.py
 
+    # on-policy distillation from that run's final model (the same start, 3 steps on): the
+    # teacher is built partitioned like a reference and its reverse KL is the advantage
+    d = tmp_path / "d"
+    run_sh("--max_steps", "1", "--teacher_model", str(a / "final"), "--distill_only", "True",
+           "--save_model", "False", env={"RUN_DIR": str(d)})  # fmt: skip
+    (row,) = train_rows(d)
+    assert row["distill/reverse_kl"] != 0 and row["mem/teacher_logprobs"] > 0
+    assert row["ratio"] == 1.0  # one iteration: on-policy, as without a teacher
+
 
 def test_zero2_vllm_reference_iterations(tmp_path):
     out = run_sh(
