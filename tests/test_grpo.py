@@ -586,7 +586,7 @@ def test_distill_advantages_and_per_token_advantages_match_naive():
     loss.backward()
     # on-policy the ratio is 1 and unclipped: loss = -sum(A_t) / n, d loss / d logp_t = -A_t / n
     naive = -sum(float(both[i, t]) for i in range(B) for t in range(C) if mask[i, t]) / n
-    assert math.isclose(float(loss), naive, rel_tol=1e-5)
+    assert math.isclose(loss.item(), naive, rel_tol=1e-5)
     torch.testing.assert_close(logps.grad, -both * mask / n)
     per_row, _ = grpo_loss(logps, None, None, adv, mask, normalizer=n, **kw)
     per_token, _ = grpo_loss(logps, None, None, adv[:, None].expand(B, C), mask, normalizer=n, **kw)
