@@ -22,8 +22,9 @@ every prompt ends and every completion starts at column P.
 
 Collectives put their tensors where the process group's backend needs them (`comm_device`: the
 current GPU under NCCL, the CPU under gloo), so the same loop runs on both. Imports zero3_utils
-(comm_device, all_max: the helpers generation.py shares) and logprobs (model_logps, for
-forward_logps: a micro-batch scored padded or packed, shared by both loops).
+(comm_device, all_max: the helpers generation.py shares), logprobs (model_logps, for
+forward_logps: a micro-batch scored padded or packed, shared by both loops) and generation
+(Generations, the rollouts take_groups and cat_groups select and join).
 """
 
 import json
