@@ -412,7 +412,11 @@ class Run:
             self.rank,
             a.report_to,
             resume_step=self.start_step if a.resume else None,  # drop rows written after it
-            extra={"world_size": self.world, "ds_config_resolved": self.ds_config},
+            extra={  # beside the arguments as given: the memory knobs the run starts with
+                "world_size": self.world,
+                "ds_config_resolved": self.ds_config,
+                "knobs": vars(self.knobs).copy(),
+            },
         )  # what ran, metrics.jsonl, wandb
         # peak memory per phase: CUDA allocated (less a sleeping vLLM's pool), or RSS on CPU; the
         # phase running now in a file for run.sh, which names it when the kernel kills this rank
