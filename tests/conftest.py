@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -87,6 +88,10 @@ def run_sh(algo, *args, env=None, timeout=600, wait=True):
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        # SIGINT as a terminal delivers it, however pytest was started: a shell's background job
+        # (`... &`, nohup) starts with SIGINT ignored, and bash cannot trap a signal ignored on
+        # entry, so run.sh's Ctrl-C handling (the tests' SIGINT) would never run
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     return finish(proc, timeout) if wait else proc
 
