@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from generation import Generations
 from logprobs import model_logps
-from zero3_utils import all_max, all_reduce_, comm_device
+from zero3_utils import all_max, all_reduce_
 
 
 # ---- Rollouts to a batch ------------------------------------------------------------------------
@@ -329,11 +329,3 @@ def all_sum(values):
     if not dist.is_initialized():
         return [float(v) for v in values]
     return all_reduce_(torch.tensor(values, dtype=torch.float64)).tolist()
-
-
-def all_cat(t):
-    """(B, K) from every rank (the same shape on each) -> (world * B, K) on the CPU, rank by
-    rank."""
-    parts = [torch.zeros_like(t, device=comm_device()) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.to(comm_device()))
-    return torch.cat(parts).cpu()

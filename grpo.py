@@ -35,7 +35,6 @@ import envs
 import harness
 import recipes
 from batching import (
-    all_cat,
     all_sum,
     cat_groups,
     forward_logps,
@@ -50,7 +49,7 @@ from fit import Knobs
 from generation import Generations, sampler_logp_gap
 from prefetch import Prefetcher
 from vllm_server import ServerError
-from zero3_utils import all_max
+from zero3_utils import all_cat, all_max
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "cispo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")

@@ -37,7 +37,6 @@ from transformers import AutoModelForSequenceClassification
 import harness
 import recipes
 from batching import (
-    all_cat,
     all_sum,
     forward_logps,
     make_batch,
@@ -53,7 +52,7 @@ from generation import sampler_logp_gap
 from logprobs import positions_from_mask
 from tasks import RewardError
 from zero3_load import enable_gradient_checkpointing
-from zero3_utils import gathered
+from zero3_utils import all_cat, gathered
 
 
 # ---- The algorithm: rewards, advantages, losses (pure functions, tested against naive loops) ---

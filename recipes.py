@@ -77,28 +77,18 @@ PPO = {
         "gradient_checkpointing": True,
         "eval_steps": 100,
     },
-    # GRPO's recipe with PPO's two LRs, on-policy without KL as GRPO's (one epoch, kl_coef 0: no
-    # reference model, the update's own forward gives the old log-probs)
-    "smollm2-gsm8k": {
-        "model": smollm2.model_dir,
-        "data": smollm2.gsm8k_train_file,
-        "reward_funcs": "rewards:math_reward",
-        "use_vllm": True,
-        "max_prompt_length": 320,
-        "max_completion_length": 256,
-        "prompts_per_rank": 4,
-        "num_generations": 8,
-        "per_device_train_batch_size": 2,
-        "gradient_checkpointing": True,
-        "learning_rate": 1e-6,
-        "critic_learning_rate": 9e-6,
-        "ppo_epochs": 1,
-        "kl_coef": 0.0,
-        "temperature": 0.8,
-        "max_steps": 40,
-        "eval_steps": 10,
-        "num_eval_prompts": 200,
-    },
+}
+# GRPO's recipe with PPO's two LRs, on-policy without KL as GRPO's (one epoch, kl_coef 0: no
+# reference model, the update's own forward gives the old log-probs)
+PPO["smollm2-gsm8k"] = {
+    **GRPO["smollm2-gsm8k"],
+    "max_completion_length": 256,
+    "learning_rate": 1e-6,
+    "critic_learning_rate": 9e-6,
+    "ppo_epochs": 1,
+    "kl_coef": 0.0,
+    "max_steps": 40,
+    "eval_steps": 10,
 }
 # GRPO's smollm2-addition for PPO: the same data, completions and steps, both LRs 1e-5
 PPO["smollm2-addition"] = {

@@ -77,6 +77,14 @@ def all_reduce_(t, op=None):
     return t
 
 
+def all_cat(t):
+    """(B, K) from every rank (the same shape on each) -> (world * B, K) on the CPU, rank by
+    rank."""
+    parts = [torch.zeros_like(t, device=comm_device()) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.to(comm_device()))
+    return torch.cat(parts).cpu()
+
+
 # ---- Modules inside engines, ZeRO-3 parameters ---------------------------------------------------
 def _module(model_or_engine):
     """The nn.Module inside a DeepSpeedEngine (or the module itself)."""

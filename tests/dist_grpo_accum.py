@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from batching import all_cat
 from checks import exit_process
 from fit import Knobs
 from generation import Generations
@@ -40,7 +39,7 @@ from grpo import (
     parse_args,
     update,
 )
-from zero3_utils import gathered
+from zero3_utils import all_cat, gathered
 
 model_dir = sys.argv[1]
 deepspeed.init_distributed(dist_backend="gloo")

@@ -9,15 +9,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from batching import (
-    all_cat,
     all_sum,
-    comm_device,
     encode_prompts,
     make_batch,
     micro_batches,
     micro_slice,
     plan_micro_batches,
 )
+from zero3_utils import all_cat, comm_device
 
 
 def ragged(B=6, P=5, C=4, seed=0):

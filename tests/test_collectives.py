@@ -25,7 +25,7 @@ from conftest import ROOT
 # (file, function) -> why it may call a collective: each puts the tensors on comm_device()
 HELPERS = {
     ("zero3_utils.py", "all_reduce_"): "copies to comm_device() and back",
-    ("batching.py", "all_cat"): "gathers on comm_device(), returns on the CPU",
+    ("zero3_utils.py", "all_cat"): "gathers on comm_device(), returns on the CPU",
 }
 NAMED = {
     "all_reduce",
@@ -170,7 +170,7 @@ def test_collectives_only_in_the_comm_device_helpers():
                 offenders.append(f"{name}:{line} {function}: dist.{collective}")
     assert not offenders, (
         "torch.distributed collectives outside the comm_device() helpers (an NCCL group refuses "
-        "CPU tensors): use zero3_utils.all_reduce_ / all_max or batching.all_sum / all_cat:\n"
+        "CPU tensors): use zero3_utils.all_reduce_ / all_max / all_cat or batching.all_sum:\n"
         + "\n".join(offenders)
     )
     assert seen == set(HELPERS), f"HELPERS entries that no longer call a collective: {HELPERS}"
