@@ -219,11 +219,15 @@ def _bounds(rule):
 
 
 def describe_range(rule):
-    """ "> 0" stays as it is; an interval reads "in [0, 1)"."""
+    """ "> 0" stays as it is; an interval reads "in [0, 1)"; choices "one of a, b"."""
+    if isinstance(rule, tuple):
+        return f"one of {', '.join(rule)}"
     return rule if rule.startswith(">") else f"in {rule}"
 
 
 def in_range(value, rule):
+    if isinstance(rule, tuple):  # the field's choices
+        return value in rule
     low, low_open, high, high_open = _bounds(rule)
     if not math.isfinite(value):
         return False
@@ -233,8 +237,9 @@ def in_range(value, rule):
 
 def arg(default, help, range=None, why=None, aliases=None):
     """An Args field in one line: its default, its --help text and, for a number, the range that
-    check_ranges enforces (">= 0", "> 0", "(0, 1]", ...) with an optional reason for the message;
-    aliases: an older flag name still accepted ("--old_name")."""
+    check_ranges enforces (">= 0", "> 0", "(0, 1]", ...), for a string a tuple of its choices,
+    with an optional reason for the message; aliases: an older flag name still accepted
+    ("--old_name")."""
     metadata = {"help": help}
     if range is not None:
         metadata["range"] = range

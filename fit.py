@@ -2,9 +2,10 @@
 memory knobs under `--memory_budget_gb`, and the between-step adapter that moves the knobs which
 never change the update from the ledger's measured peaks. Shared by grpo.py and ppo.py.
 
-    from fit import KnobAdapter, estimate_run_memory, fit_to_budget
+    from fit import KnobAdapter, estimate_run_memory, fit_for_gpu, fit_to_budget
     models = {"reference": True}                 # what the loop builds beside the policy
     estimate_run_memory(args, models)            # --estimate_memory: the per-phase table
+    knobs, phases = fit_for_gpu(args, world, models, 80)   # on paper: an 80 GB GPU's knobs
     knobs, phases = fit_to_budget(args, world, models, say)  # pre-flight: Knobs, or exit 2
     adapter = KnobAdapter(args, knobs)           # after each step, on every rank:
     for row in adapter.after_step(ledger.step, step + 1):  # a collective: ranks agree
@@ -40,7 +41,15 @@ import torch.distributed as dist
 
 from checks import RunError, check_model_path, read_ds_json, training_dtype
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
-from memory import GB, PRESETS, estimate_memory, format_table, model_shape, print_estimate
+from memory import (
+    GB,
+    PRESETS,
+    estimate_memory,
+    format_table,
+    lora_params,
+    model_shape,
+    print_estimate,
+)
 from tasks import TASK_CHARS
 from tiny_models import llama_config
 from zero3_utils import all_max, all_reduce_
@@ -146,16 +155,23 @@ def _config_for(path, flag):
     return config
 
 
-def estimate_kwargs(args, world, models, knobs=None):
+def estimate_kwargs(args, world, models, knobs=None, gpu_gb=0.0):
     """memory.estimate_memory's keyword arguments for these args, the knobs in effect (default: as
-    given) and the loop's `models` (no weights loaded)."""
+    given) and the loop's `models` (no weights loaded); gpu_gb > 0: on a GPU of that size (bf16
+    unless --dtype fp32; fused Adam unless the config asks for torch's), whatever this machine
+    has."""
     knobs = knobs or Knobs.given(args)
     if not args.model:  # the built-in task's tiny model (tasks.task_model)
         config = llama_config(len(TASK_CHARS) + 4, hidden_size=128, num_layers=2).to_dict()
     else:
         config = _config_for(args.model, "--model")
     ds = read_ds_json(args.ds_config)  # readable, an object, a supported ZeRO set-up
-    zero, cuda = ds.get("zero_optimization", {}), torch.cuda.is_available()
+    zero, cuda = ds.get("zero_optimization", {}), gpu_gb > 0 or torch.cuda.is_available()
+    if gpu_gb:
+        dtype, device_gb = ("fp32" if args.dtype == "fp32" else "bf16"), gpu_gb
+    else:
+        dtype = "bf16" if training_dtype(args.dtype) == torch.bfloat16 else "fp32"
+        device_gb = torch.cuda.get_device_properties(0).total_memory / GB if cuda else 80.0
     S = args.max_prompt_length + args.max_completion_length
     rm, teacher = models.get("reward_model"), models.get("teacher")
     rm = _config_for(rm, "--reward_model") if rm else None
@@ -163,12 +179,12 @@ def estimate_kwargs(args, world, models, knobs=None):
     frozen = rm or (_config_for(teacher, "--teacher_model") if teacher else None)
     kw = dict(
         model_config=config,
-        device_gb=torch.cuda.get_device_properties(0).total_memory / GB if cuda else 80.0,
+        device_gb=device_gb,
         world_size=world,
         zero_stage=zero.get("stage", 0),
         offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") != "none",
         offload_params=zero.get("offload_param", {}).get("device", "none") != "none",
-        dtype="bf16" if training_dtype(args.dtype) == torch.bfloat16 else "fp32",
+        dtype=dtype,
         gradient_checkpointing=knobs.gradient_checkpointing,
         seq_len=S,
         completion_len=args.max_completion_length,
@@ -187,10 +203,14 @@ def estimate_kwargs(args, world, models, knobs=None):
         critic_config=(rm or config) if models.get("critic") else None,
         reward_config=frozen,
         phase_groups=models.get("phases"),
+        trainable_params=lora_params(config, args.lora_r, args.lora_target_modules)
+        if args.lora_r
+        else None,
     )
     # a vLLM server (--vllm_mode server) runs on devices of its own: nothing on the trainer's
     colocated = args.use_vllm and args.vllm_mode == "colocate"
     kw.update(use_vllm=colocated, gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+    kw.update(vllm_sleep=colocated and cuda)  # asleep outside the rollout, on a GPU only
     kw.update(vllm_server=args.use_vllm and args.vllm_mode == "server")  # the weight sync only
     if colocated and not cuda:
         kw["vllm_bytes"] = vllm_cpu_bytes(config)
@@ -198,9 +218,25 @@ def estimate_kwargs(args, world, models, knobs=None):
 
 
 def estimate_run_memory(args, models):
-    """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args."""
-    kw = estimate_kwargs(args, int(os.environ.get("WORLD_SIZE", 1)), models)
+    """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args; with
+    --gpu_gb, the knobs the fitter picks on a GPU of that size (fit_for_gpu) and their estimate."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.gpu_gb:
+        return fit_for_gpu(args, world, models, args.gpu_gb)
+    kw = estimate_kwargs(args, world, models)
     return print_estimate(kw.pop("model_config"), kw.pop("device_gb"), **kw)
+
+
+def fit_for_gpu(args, world, models, gpu_gb, say=print):
+    """On paper, for a GPU of gpu_gb that this machine need not have: the knobs the fitter picks
+    (under --memory_budget_gb, else the whole device) and the estimate's phases with them (bf16
+    unless --dtype fp32, no CPU runtime). Nothing fits: a RunError with the closest."""
+    knobs = Knobs.given(args)
+    knobs.memory_budget_gb = knobs.memory_budget_gb or gpu_gb
+    try:
+        return knobs, _fit(args, knobs, world, models, 0, say, gpu_gb)
+    except RunError as e:
+        raise RunError(f"--gpu_gb {gpu_gb}: {e}") from None
 
 
 def vllm_cpu_bytes(config):
@@ -342,9 +378,9 @@ def fit_to_budget(args, world, models, say=print):
         raise RunError(f"{auto}; {e}" if auto else str(e)) from None
 
 
-def _fit(args, knobs, world, models, runtime, say):
+def _fit(args, knobs, world, models, runtime, say, gpu_gb=0.0):
     budget = knobs.memory_budget_gb
-    kw, target = estimate_kwargs(args, world, models, knobs), HIGH_WATER * budget * GB
+    kw, target = estimate_kwargs(args, world, models, knobs, gpu_gb), HIGH_WATER * budget * GB
 
     def top(k):
         phases = estimate_memory(**k)["phases"]
@@ -371,8 +407,8 @@ def _fit(args, knobs, world, models, runtime, say):
                 f"--memory_budget_gb {budget}: nothing fits. Closest: "
                 + (", ".join(changed()) or "the knobs as given")
                 + f"; highest phase {max(phases, key=phases.get)} at {now / GB:.2f} GB, "
-                f"{(now - target) / GB:.2f} GB over {HIGH_WATER:.0%} of the budget "
-                + (f"(incl. {runtime / GB:.2f} GB runtime RSS). " if runtime else ". ")
+                f"{(now - target) / GB:.2f} GB over {HIGH_WATER:.0%} of the budget"
+                + (f" (incl. {runtime / GB:.2f} GB runtime RSS). " if runtime else ". ")
                 + "Raise the budget, use ZeRO-3 with optimizer offload "
                 "(configs/zero3_offload.json), more ranks, or shorter sequences."
             )

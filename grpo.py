@@ -15,7 +15,7 @@ Departures from the paper and why (docs/grpo.md has the rest):
   removes the length bias; "grpo" is the paper's per-sequence token mean.
 - k3 KL, but beta defaults to 0 (the paper: 0.04): then no reference model is built.
 - Asymmetric clipping [1 - epsilon_low, 1 + epsilon_high] (DAPO).
-- Truncated importance weights against vLLM's own log-probs (--vllm_importance_cap).
+- Truncated or masked importance weights against vLLM's log-probs (--vllm_importance_mode).
 - Every micro-batch loss is divided by the WHOLE batch's normaliser and DeepSpeed's averaging is
   undone, so accumulation never changes the update.
 - Optional: CISPO, RLOO / REINFORCE++ advantages, an entropy bonus, on-policy distillation
@@ -48,12 +48,14 @@ from data import batch_rows
 from fit import Knobs
 from generation import Generations, sampler_logp_gap
 from prefetch import Prefetcher
+from tasks import reward_stats
 from vllm_server import ServerError
 from zero3_utils import all_cat, all_max
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "cispo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+VLLM_IMPORTANCE_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # what update() returns summed over ranks: the same keys on every rank, whatever it trained on (a
 # key missing on one rank would make the ranks' all-reduces disagree and hang them)
 UPDATE_METRICS = ("loss", "tokens", "entropy", "ratio", "clip_low", "clip_high", "kl")
@@ -245,14 +247,35 @@ def importance_cap(args):
     return 3.0 if args.max_staleness else 0.0
 
 
+def sampler_weights(old, sampler, mask, mode, cap, low=0.0):
+    """Importance weights (B, C) for tokens vLLM sampled and the trainer scores (no grad): the
+    ratio r = exp(old - sampler) per token (token_*) or per sequence, the product over its tokens
+    in `mask` (sequence_*, as TRL); *_truncate: r clamped to [low, cap] (truncated IS); *_mask: r
+    inside [low, cap], else 0, so that token or sequence gets no loss (IcePop; MIS)."""
+    log_r = (old - sampler) * mask  # (B, C)
+    if mode.startswith("sequence"):
+        log_r = log_r.sum(1, keepdim=True).expand_as(log_r)  # (B, C): its sequence's log-ratio
+    r = torch.exp(log_r)  # (B, C); inf for a sequence far off: capped or masked below
+    inside = (r >= low) & (r <= cap)  # (B, C)
+    return r.clamp(low, cap) if mode.endswith("truncate") else torch.where(inside, r, 0.0)
+
+
 def vllm_importance_weights(batch, args):
-    """vLLM sampled these tokens but scores them a bit differently from the trainer: truncated
-    importance weights min(exp(old - vLLM logp), cap) (B, C), and the mean ratio over the kept
-    tokens of all ranks (1 = identical)."""
-    mask = loss_tokens(batch) * keep_mask(batch, args)[:, None]  # (B, C)
-    gap = (batch["old_logps"] - batch["sampler_logps"]) * loss_tokens(batch)  # (B, C)
-    ratio_sum, n = all_sum([(torch.exp(gap) * mask).sum().item(), mask.sum().item()])
-    return torch.exp(gap).clamp(max=importance_cap(args)), ratio_sum / max(n, 1.0)
+    """sampler_weights for this batch (--vllm_importance_mode) and, over the kept tokens of all
+    ranks, the mean token ratio (1: vLLM scores as the trainer) and the shares of tokens and of
+    sequences whose ratio lies outside [low, cap] (what truncation caps, masking drops)."""
+    tokens, old, sampler = loss_tokens(batch), batch["old_logps"], batch["sampler_logps"]
+    mask = tokens * keep_mask(batch, args)[:, None]  # (B, C) the trained tokens
+    cap, low, seqs = importance_cap(args), args.vllm_importance_min, mask.amax(1)  # seqs: (B,)
+    log_r = (old - sampler) * tokens  # (B, C)
+    r, r_seq = log_r.exp(), log_r.sum(1).exp()  # (B, C) per token, (B,) per sequence
+    out, out_seq = ((x < low) | (x > cap) for x in (r, r_seq))  # (B, C), (B,)
+    sums = [r * mask, out * mask, mask, out_seq * seqs, seqs]
+    ratio, out_tokens, n, out_seqs, n_seqs = all_sum([x.sum().item() for x in sums])
+    shares = (ratio / max(n, 1.0), out_tokens / max(n, 1.0), out_seqs / max(n_seqs, 1.0))
+    weights = sampler_weights(old, sampler, tokens, args.vllm_importance_mode, cap, low)
+    names = ("vllm_is_ratio", "vllm_is_outside_tokens", "vllm_is_outside_seqs")
+    return weights, dict(zip(names, shares))
 
 
 # ---- Configuration: GRPO's own fields (harness.RunArgs has the ones both loops share) -----------
@@ -264,10 +287,17 @@ class Args(harness.RunArgs):
     )
     vllm_importance_cap: float = arg(
         -1.0,
-        "> 0: truncated importance weights min(exp(trainer - vLLM logp), cap); 0: off; -1: 3.0 "
-        "with --max_staleness > 0, else off",
+        "> 0: importance weights for vLLM's samples, r = exp(trainer - vLLM logp) at most cap; "
+        "0: off; -1: 3.0 with --max_staleness > 0, else off",
         ">= -1",
     )
+    vllm_importance_mode: str = arg(
+        "token_truncate",
+        f"one of {VLLM_IMPORTANCE_MODES}: r per token or per sequence (the product); truncate: "
+        "r clamped to [min, cap]; mask: no loss where r is outside (docs/update.md)",
+        VLLM_IMPORTANCE_MODES,
+    )
+    vllm_importance_min: float = arg(0.0, "the band's lower end (mask: below it, no loss)", ">= 0")
     env: str = arg(
         "",
         "module:factory: multi-turn rollouts, an environment answering each assistant turn "
@@ -282,18 +312,22 @@ class Args(harness.RunArgs):
         ">= 0",
     )
     loss_type: str = arg(
-        "bnpo", f"one of {LOSS_TYPES}; cispo: -stopgrad(min(r, 1 + epsilon_high)) A logp per token"
+        "bnpo",
+        f"one of {LOSS_TYPES}; cispo: -stopgrad(min(r, 1 + epsilon_high)) A logp per token",
+        LOSS_TYPES,
     )
     advantage_estimator: str = arg(
         "grpo",
         f"one of {ADVANTAGE_ESTIMATORS}; grpo: r - group mean; rloo: r - the others' mean "
         "(--scale_rewards False); reinforce_pp: r - group mean, whitened over the whole batch",
+        ADVANTAGE_ESTIMATORS,
     )
     entropy_coef: float = arg(0.0, "entropy bonus: loss -= coef x token entropy", ">= 0")
     importance_sampling_level: str = arg(
         "token",
         "token: a ratio per token (GRPO); sequence: one length-normalised ratio per sequence, "
         "clipped as a whole (GSPO, Zheng et al. 2025)",
+        IMPORTANCE_SAMPLING_LEVELS,
     )
     dynamic_sampling: bool = arg(
         False,
@@ -328,20 +362,11 @@ class Args(harness.RunArgs):
 def parse_args(argv=None):
     """Args as given (argv, default sys.argv[1:]), checked on their own (no file read yet)."""
     args = harness.parse(Args, recipes.GRPO, argv)
-    if args.loss_type not in LOSS_TYPES:
-        raise RunError(f"--loss_type {args.loss_type}: choose one of {LOSS_TYPES}")
     est, scale = args.advantage_estimator, args.scale_rewards
-    if est not in ADVANTAGE_ESTIMATORS:
-        raise RunError(f"--advantage_estimator {est}: choose one of {ADVANTAGE_ESTIMATORS}")
     if (est, scale) in (("rloo", True), ("reinforce_pp", False)):  # grpo's advantage, rescaled
         raise RunError(
             f"--advantage_estimator {est} needs --scale_rewards {not scale} (docs/update.md): "
             f"pass it, or --advantage_estimator grpo --scale_rewards {scale} for this advantage"
-        )
-    if args.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise RunError(
-            f"--importance_sampling_level {args.importance_sampling_level}: choose one of "
-            f"{IMPORTANCE_SAMPLING_LEVELS}"
         )
     if args.max_staleness and not (args.use_vllm and args.vllm_mode == "server"):
         raise RunError(
@@ -349,21 +374,17 @@ def parse_args(argv=None):
             "VLLM_DEVICES=... bash run.sh sets): colocated engines and HF generation share the "
             "trainer's devices, so there is nothing to overlap"
         )
-    if args.env and (args.dynamic_sampling or args.max_staleness):
-        raise RunError(
-            "--env runs with the synchronous rollout only: drop --dynamic_sampling and "
-            "--max_staleness"
-        )
-    if args.max_staleness and args.dynamic_sampling:
-        raise RunError(
-            "--dynamic_sampling with --max_staleness > 0 is not supported: drop one of them"
-        )
+    if sum(map(bool, (args.env, args.dynamic_sampling, args.max_staleness))) > 1:  # 3 rollouts
+        raise RunError("--env, --dynamic_sampling and --max_staleness > 0: one at a time")
     if args.distill_only and not args.teacher_model:
         raise RunError("--distill_only True needs --teacher_model (the teacher to distil)")
-    if importance_cap(args) and not args.use_vllm:
+    moved = args.vllm_importance_mode != "token_truncate" or args.vllm_importance_min > 0
+    if moved and not importance_cap(args):
         raise RunError(
-            "--vllm_importance_cap needs --use_vllm (it corrects vLLM-vs-trainer log-prob gaps)"
+            "--vllm_importance_mode / _min act on the weights: --vllm_importance_cap > 0"
         )
+    if importance_cap(args) and not args.use_vllm:
+        raise RunError("--vllm_importance_cap needs --use_vllm (it corrects vLLM's log-prob gaps)")
     return args
 
 
@@ -452,13 +473,8 @@ def to_batch(sample, keep, args, run):
     batch = make_batch(sample["prompt_ids"], gens, run.tokenizer.pad_token_id)
     batch["keep"] = keep
     batch["truncated"] = truncated(gens, run.stop_ids, args.max_completion_length)  # (B,)
-    batch["advantages"] = estimate_advantages(
-        sample["rewards"],
-        args.num_generations,
-        args.advantage_estimator,
-        args.scale_rewards,
-        keep_mask(batch, args),  # reinforce_pp's batch statistics: the rows the update trains on
-    )  # (B,)
+    est = (args.num_generations, args.advantage_estimator, args.scale_rewards)  # kept rows' stats
+    batch["advantages"] = estimate_advantages(sample["rewards"], *est, keep_mask(batch, args))
     batch["sampler_logps"] = gens.logprobs  # (B, C) or None
     batch["loss_mask"] = sample.get("loss_mask")  # (B, C): --env, 0 on its turns; else None
     return batch
@@ -499,11 +515,12 @@ def rollout(run, step, args, env):
 
 
 def start_prefetch(run, args, env):
-    """Asynchronous GRPO (--max_staleness K): sends the starting weights to the server (version
-    vllm.syncs), then starts a Prefetcher whose thread samples and scores each step's groups on
-    this rank over HTTP (no collective) once step - K - 1 is trained and its weights sent. A
+    """Asynchronous GRPO (--max_staleness K): the starting weights to the server (unless the first
+    held-out score sent them), then a Prefetcher whose thread samples and scores each step's groups
+    on this rank over HTTP (no collective) once step - K - 1 is trained and its weights sent. A
     failed request is retried once; after --resume the steps in flight are sampled again."""
-    run.vllm.sync_weights(run.policy)
+    if not run.vllm.syncs:
+        run.vllm.sync_weights(run.policy)
     return Prefetcher(
         lambda step: sample_groups(run, my_rows(run, run.train_rows, step, args.seed), args, env),
         run.start_step,
@@ -584,13 +601,13 @@ def rollout_logps(run, engine, ref, teacher, batch, plan, args):
         with run.ledger.phase("teacher_logprobs"):
             teacher_logps = batch_logps(teacher, batch, plan, args, knobs, device)  # (B, C)
         mask = loss_tokens(batch) * keep_mask(batch, args)[:, None]  # (B, C) the trained tokens
-        adv = batch["advantages"]
-        coef, only = args.distill_coef, args.distill_only
-        batch["advantages"] = distill_advantages(adv, old, teacher_logps, mask, coef, only)
+        how = (mask, args.distill_coef, args.distill_only)
+        batch["advantages"] = distill_advantages(batch["advantages"], old, teacher_logps, *how)
         rkl, n = all_sum([((old - teacher_logps) * mask).sum().item(), mask.sum().item()])
         extra["distill/reverse_kl"] = rkl / max(n, 1.0)  # per token, all ranks
     if cap > 0:  # vLLM sampled these tokens; the trainer scores them
-        batch["is_weights"], extra["vllm_is_ratio"] = vllm_importance_weights(batch, args)
+        batch["is_weights"], is_metrics = vllm_importance_weights(batch, args)
+        extra.update(is_metrics)
     return extra
 
 
@@ -757,22 +774,8 @@ def step_row(step, first, totals, engine, args):
     per_func = first["per_func"]
     # (world * B, 2 + F), every rank's sequences: total reward, completion length, each function
     seq = all_cat(torch.stack([first["rewards"], lengths, *per_func.values()], 1))
-    row = {
-        "step": step,
-        "reward": seq[:, 0].mean().item(),
-        "reward_std": seq[:, 0].std().item(),
-        "accuracy": (seq[:, 2:] >= 1).all(1).float().mean().item(),
-        "completion_len": seq[:, 1].mean().item(),
-        "completion_len_max": seq[:, 1].max().item(),
-        "completion_tokens": seq[:, 1].sum().item(),
-        "update_rows": totals["rows"],
-        "lr": engine.get_lr()[0],
-        **{
-            f"rewards/{name}/{stat}": getattr(seq[:, 2 + j], stat)().item()
-            for j, name in enumerate(per_func)
-            for stat in ("mean", "std")
-        },
-    }
+    row = {"step": step, **reward_stats(seq, list(per_func))}
+    row.update(update_rows=totals["rows"], lr=engine.get_lr()[0])
     if totals["updated"]:
         keys = ("entropy", "ratio", "clip_low", "clip_high") + (("kl",) if args.beta > 0 else ())
         row.update({k: totals[k] / totals["tokens"] for k in keys})
@@ -787,10 +790,9 @@ def step_row(step, first, totals, engine, args):
 def step_line(row):
     """What rank 0 prints after each step (harness adds the step, seconds and memory)."""
     line = f"reward {row['reward']:.3f} acc {row['accuracy']:.2f} len {row['completion_len']:.1f}"
-    if "loss" in row:
-        line += f" entropy {row['entropy']:.2f} clip {row['clip_frac']:.3f}"
-    else:
-        line += " no update (no row kept)"
+    if "loss" not in row:
+        return line + " no update (no row kept)"
+    line += f" entropy {row['entropy']:.2f} clip {row['clip_frac']:.3f}"
     return line + (f" kl {row['kl']:.4f}" if "kl" in row else "")
 
 

@@ -134,7 +134,9 @@ class RunArgs:
     lora_r: int = arg(0, "> 0: train LoRA adapters of this rank only (peft)", ">= 0")
     lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
     lora_target_modules: str = arg("all-linear", "peft target_modules")
-    dtype: str = arg("auto", "auto (bf16 on a GPU with bf16, else fp32), bf16 or fp32")
+    dtype: str = arg(
+        "auto", "auto (bf16 on a GPU with bf16, else fp32), bf16 or fp32", ("auto", "bf16", "fp32")
+    )
     pad_token: str = arg("", "a pad token for a tokenizer without one (its eos token is fine)")
     max_steps: int = arg(100, "training steps (one rollout batch each)", ">= 1")
     # evaluation, logging, saving
@@ -146,8 +148,11 @@ class RunArgs:
     resume: bool = arg(False, "continue from the latest checkpoint in run_dir (checkpoint.py)")
     overwrite: bool = arg(False, "delete an earlier run's checkpoints and metrics in run_dir")
     save_model: bool = arg(True, "write the final HF model to <run_dir>/final")
-    report_to: str = arg("none", "none or wandb (offline unless WANDB_MODE is set)")
+    report_to: str = arg(
+        "none", "none or wandb (offline unless WANDB_MODE is set)", ("none", "wandb")
+    )
     estimate_memory: bool = arg(False, "print the per-phase memory estimate (fit.py) and exit")
+    gpu_gb: float = arg(0.0, "--estimate_memory on paper for a GPU of this many GB", ">= 0")
     memory_budget_gb: float = arg(
         0.0, "> 0: GB per rank the knobs are fitted under, before and between steps", ">= 0"
     )
@@ -159,11 +164,7 @@ def parse(args_class, recipes, argv=None):
     and the checks every loop's fields need on their own (no file read yet)."""
     args = parse_args_quietly(args_class, argv)  # argparse's errors: exit 2; then each "range"
     apply_recipe(args, recipes, argv)  # a flag given on the command line wins
-    if args.dtype not in ("auto", "bf16", "fp32"):
-        raise RunError("--dtype: auto, bf16 or fp32")
     check_attn_implementation(args.attn_implementation, args.dtype)  # flash attention
-    if args.report_to not in ("none", "wandb"):
-        raise RunError("--report_to: none or wandb")
     if args.use_vllm and args.gather_for_generation is False:
         raise RunError(
             "--gather_for_generation False applies to HF generation; drop it with --use_vllm"
@@ -176,11 +177,6 @@ def parse(args_class, recipes, argv=None):
     return args
 
 
-def batch_size(args):
-    """Completions per rank per step."""
-    return args.prompts_per_rank * args.num_generations
-
-
 # ---- The pre-flight: every input, then the estimate and the fit, then DeepSpeed's JSON -----------
 def deepspeed_config(args, knobs, world, hidden_size, dtype, lr, mini_batches=1):
     """The DeepSpeed JSON for one trained model with its "auto" values filled from the arguments
@@ -189,11 +185,10 @@ def deepspeed_config(args, knobs, world, hidden_size, dtype, lr, mini_batches=1)
     with open(args.ds_config) as f:
         raw = json.load(f)
     check_global_batch(raw, args.ds_config, world * mini_batches, args.num_generations)
+    rank_batch = args.prompts_per_rank * args.num_generations / mini_batches  # per optimizer step
     fill = {
         "train_micro_batch_size_per_gpu": knobs.per_device_train_batch_size,
-        "gradient_accumulation_steps": math.ceil(
-            batch_size(args) / knobs.per_device_train_batch_size / mini_batches
-        ),
+        "gradient_accumulation_steps": math.ceil(rank_batch / knobs.per_device_train_batch_size),
         "gradient_clipping": args.max_grad_norm,
         "bf16.enabled": dtype == torch.bfloat16,
         "optimizer.params.lr": lr,
@@ -493,8 +488,10 @@ class Run:
         """Held-out mean reward and accuracy (every reward function >= 1) over --eval_samples k
         sampled completions per prompt, prompts split over ranks, the same samples at every point
         of a run; k > 1: also eval/pass@1 and eval/pass@k by Chen et al.'s estimator."""
-        if self.vllm is not None and self.sync_for_eval:
-            self.vllm.sync_weights(self.policy)  # wakes it after sleep()
+        # wakes it after sleep(); asynchronous runs sync after each update, and once before their
+        # first score (a server holds what it was started with: another run's weights, say)
+        if self.vllm is not None and (self.sync_for_eval or not self.vllm.syncs):
+            self.vllm.sync_weights(self.policy)
         mine, k = self.eval_rows[self.rank :: self.world], self.args.eval_samples
         torch.manual_seed(self.args.seed + 12345 + self.rank)
         reward = acc = pass1 = passk = float("nan")

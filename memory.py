@@ -318,6 +318,17 @@ def model_shape(config):
 
 
 # ---- The estimate -----------------------------------------------------------------------------
+def lora_params(model_config, r, target_modules="all-linear"):
+    """The parameters LoRA adds and trains: r x (in + out) per targeted linear layer of each
+    decoder layer ("all-linear": every one but the lm_head, as peft; else comma-separated names)."""
+    s = model_shape(model_config)
+    H, I, q, kv = s["H"], s["I"], s["h"] * s["d"], s["k"] * s["d"]
+    shapes = {"q_proj": H + q, "k_proj": H + kv, "v_proj": H + kv, "o_proj": q + H}
+    shapes.update(gate_proj=H + I, up_proj=H + I, down_proj=I + H)
+    names = list(shapes) if target_modules == "all-linear" else target_modules.split(",")
+    return s["L"] * r * sum(shapes.get(n.strip(), 0) for n in names)
+
+
 def estimate_memory(
     model_config,
     *,
@@ -351,6 +362,7 @@ def estimate_memory(
     phase_groups=None,
     vllm_server=False,
     packed_bytes=0,
+    trainable_params=None,
 ):
     """Predicted peak bytes per GPU for each phase of the loop, and the pieces they are made of.
 
@@ -366,6 +378,8 @@ def estimate_memory(
     vllm_server: a vLLM server (--vllm_mode server) takes the weights (its weight_sync phase: the
     gathered group, and with packed_bytes > 0 the NCCL transfer's packed buffers,
     vllm_transfer.packing).
+    trainable_params: the parameters that train (LoRA's adapters, lora_params; default all N):
+    gradients, Adam states and their fp32 partitions scale with them, the weights with N.
     Returns {"phases": {phase: bytes}, "pieces": {piece: bytes}, "cpu": offloaded bytes per rank,
     "highest": phase, "params": N}.
     """
@@ -381,14 +395,15 @@ def estimate_memory(
     if offload_optimizer and zero_stage < 1:
         raise ValueError("offload_optimizer needs zero_stage >= 1")
     N, V, H, L, I, W = s["N"], s["V"], s["H"], s["L"], s["I"], world_size
+    T = N if trainable_params is None else trainable_params  # trained: gradients, Adam states
     b = 4 if dtype == "fp32" else 2
     mixed = b == 2
     p, tc, tv = {}, logprob_chunk[0], logprob_chunk[1]
     # resident states, every phase
     p["params"] = 0 if offload_params else N * b // (W if zero_stage == 3 else 1)
     bucket = H * H * b  # reduce_bucket_size "auto" = H^2 elements (zero3_utils.load_ds_config)
-    p["grads"] = bucket if offload_optimizer else N * b // (W if zero_stage >= 2 else 1)
-    opt = (12 if mixed else 8) * N // (W if zero_stage >= 1 else 1)
+    p["grads"] = bucket if offload_optimizer else T * b // (W if zero_stage >= 2 else 1)
+    opt = (12 if mixed else 8) * T // (W if zero_stage >= 1 else 1)
     p["optimizer"] = 0 if offload_optimizer else opt
     # frozen models: sharded under ZeRO-3, resident otherwise (harness.Run.frozen)
     frozen_n = N if reference_model and not ref_offload else 0
@@ -429,12 +444,14 @@ def estimate_memory(
     held = max(p["zero3_live"], min(N * b, generation_resident_bytes))  # middle mode: resident
     p["generation_params"] = (N * b if gather_for_generation else held) if zero_stage == 3 else 0
     p["fp32_grad_partition"] = (
-        0 if (offload_optimizer or not mixed) else 4 * N // (W if zero_stage >= 1 else 1)
+        0 if (offload_optimizer or not mixed) else 4 * T // (W if zero_stage >= 1 else 1)
     )
     # torch Adam ("torch_adam": true in configs/) makes ~2 fp32 temporaries of the tensor it steps:
     # one parameter (stage 0), the flat partition (1/2), a sub-group of <= 1e9 elements (3); fused
     # Adam: 0
-    stepped = largest if zero_stage == 0 else N // W if zero_stage < 3 else min(N // W, 10**9)
+    stepped = (
+        min(largest, T) if zero_stage == 0 else T // W if zero_stage < 3 else min(T // W, 10**9)
+    )
     p["adam_temporaries"] = 0 if offload_optimizer or fused_adam else 2 * 4 * stepped
     p["vllm"] = vllm_share
     resident = (
@@ -478,7 +495,7 @@ def estimate_memory(
             if any(g in phases for g in group)
         }
     # states + fp32 grads
-    cpu = (opt if offload_optimizer else 0) + (4 * N // W if offload_optimizer else 0)
+    cpu = (opt if offload_optimizer else 0) + (4 * T // W if offload_optimizer else 0)
     cpu += N * b // W if offload_params else 0
     cpu += N * b // W if reference_model and ref_offload else 0
     cpu += reward_n * b // W if ref_offload else 0

@@ -50,7 +50,7 @@ from data import batch_rows
 from fit import Knobs
 from generation import sampler_logp_gap
 from logprobs import positions_from_mask
-from tasks import RewardError
+from tasks import RewardError, reward_stats
 from zero3_load import enable_gradient_checkpointing
 from zero3_utils import all_cat, gathered
 
@@ -204,7 +204,9 @@ class Args(harness.RunArgs):
     gamma: float = arg(1.0, "discount", "[0, 1]")
     lam: float = arg(0.95, "GAE lambda", "[0, 1]")
     cliprange: float = arg(0.2, "policy ratio clipped to [1 - c, 1 + c]", "(0, 1)")
-    loss_type: str = arg("ppo", f"policy loss, one of {POLICY_LOSSES} (cispo: cliprange caps r)")
+    loss_type: str = arg(
+        "ppo", f"policy loss, one of {POLICY_LOSSES} (cispo: cliprange caps r)", POLICY_LOSSES
+    )
     entropy_coef: float = arg(0.0, "entropy bonus: policy loss -= coef x token entropy", ">= 0")
     cliprange_value: float = arg(0.2, "value clipped to old value +- this", "> 0")
     ppo_epochs: int = arg(2, "passes over each rollout batch", ">= 1")
@@ -224,8 +226,6 @@ class Args(harness.RunArgs):
 def parse_args(argv=None):
     """Args as given (argv, default sys.argv[1:]), checked on their own (no file read yet)."""
     args = harness.parse(Args, recipes.PPO, argv)
-    if args.loss_type not in POLICY_LOSSES:
-        raise RunError(f"--loss_type {args.loss_type}: choose one of {POLICY_LOSSES}")
     if args.reward_model and args.reward_funcs:
         raise RunError("give --reward_model or --reward_funcs, not both")
     if args.reward_model and args.reward_weights:
@@ -552,8 +552,7 @@ def main(argv=None):
         seq = all_cat(torch.stack([scores, mask.sum(1).float(), *per_func.values()], 1))
         row = {
             "step": step + 1,
-            "reward": seq[:, 0].mean().item(),
-            "reward_std": seq[:, 0].std().item(),
+            **reward_stats(seq, list(per_func)),
             "kl": sums[0] / sums[1],
             "value_mean": sums[2] / sums[1],
             "return_mean": sums[3] / sums[1],
@@ -561,17 +560,12 @@ def main(argv=None):
             "value_loss": totals["value_loss"],
             **{k: totals[k] / totals["tokens"] for k in ("entropy", "ratio", "approx_kl", "clip")},
             "vf_clip": totals["vf_clip"] / totals["tokens"],
-            "completion_len": seq[:, 1].mean().item(),
-            "completion_tokens": seq[:, 1].sum().item(),
             "lr": engine.get_lr()[0],
             "grad_norm_max": norms,
             "rollout_s": t_rollout,
             "update_s": t_update,
             **{f"time/{k}": v for k, v in times.items()},
-            **{f"rewards/{k}/mean": seq[:, 2 + j].mean().item() for j, k in enumerate(per_func)},
         }
-        if per_func:
-            row["accuracy"] = (seq[:, 2:] >= 1).all(1).float().mean().item()
         if vllm is not None:  # vLLM sampled these tokens: does it hold the trainer's weights?
             row.update(sampler_logp_gap(batch.get("old_logps", trainer), gens))
         loss = totals["policy_loss"] + totals["value_loss"]

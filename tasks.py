@@ -5,6 +5,7 @@
     train_rows, eval_rows = default_task(num_eval=200)  # --data: data.py's load_data
     funcs, weights = reward_functions("", "", data="")  # the task's: format 0.25, correct 0.75
     total, per_func = score_completions(funcs, weights, rows, completions, num_generations=8)
+    row = reward_stats(seq, list(per_func))  # the metrics of every rank's rewards and lengths
 
 A row is a dict {"prompt": a string or a list of {"role", "content"} messages, "answer": ...}.
 A reward function is a plain callable (prompts, completions, answers) -> list[float], one value per
@@ -225,6 +226,23 @@ def score_completions(funcs, weights, rows, completions, num_generations):
     per_func = {f.__name__: call_reward(f, prompts, completions, answers) for f in funcs}
     total = sum(w * r for w, r in zip(weights, per_func.values()))  # (B,)
     return total, per_func
+
+
+def reward_stats(seq, names):
+    """A step's training-reward metrics from every rank's sequences, seq (B, 2 + F): the total
+    reward, the completion length, each reward function's reward (`names`, F of them; none with
+    a reward model: then no accuracy, which needs every function's reward >= 1)."""
+    row = {"reward": seq[:, 0].mean().item(), "reward_std": seq[:, 0].std().item()}
+    if names:
+        row["accuracy"] = (seq[:, 2:] >= 1).all(1).float().mean().item()
+    lengths = seq[:, 1]  # (B,)
+    row.update(completion_len=lengths.mean().item(), completion_len_max=lengths.max().item())
+    row["completion_tokens"] = lengths.sum().item()
+    for j, name in enumerate(names):
+        row.update(
+            {f"rewards/{name}/{s}": getattr(seq[:, 2 + j], s)().item() for s in ("mean", "std")}
+        )
+    return row
 
 
 def pass_at_k(n, c, k):

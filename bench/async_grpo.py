@@ -88,7 +88,9 @@ def start_server(model, args):
             time.sleep(2)
 
 
-def one_run(url, flags, k, name, args):
+def one_run(url, flags, k, name, args, extra=()):
+    """One `bash run.sh grpo` against the server at `url` with --max_staleness k (extra: more
+    flags); its step timings, held-out rewards and metrics.jsonl rows."""
     run_dir = os.path.join(args.out_dir, args.config, name)
     env = {**os.environ, "RUN_DIR": run_dir, "NPROC": "2", "OMP_NUM_THREADS": "1"}
     env["MASTER_PORT"] = str(free_port())
@@ -97,6 +99,7 @@ def one_run(url, flags, k, name, args):
     argv += ["--use_vllm", "True", "--vllm_mode", "server", "--vllm_server_url", url]
     # equal work: the importance weights (and the old log-probs they need) on both sides
     argv += ["--max_staleness", str(k), "--vllm_importance_cap", "3", "--overwrite", "True"]
+    argv += list(extra)
     t0 = time.time()
     out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -118,6 +121,7 @@ def one_run(url, flags, k, name, args):
         "staleness_max": max((r.get("async/staleness_max", 0) for r in steps), default=0),
         "eval_start": evals[0] if evals else None,
         "eval_end": evals[-1] if evals else None,
+        "rows": steps,
     }
 
 

@@ -7,12 +7,13 @@ across ranks), padded or packed (--packing), grpo.update's loss (with grpo.py's 
 equal the full-batch loss and its SGD(lr=1) update minus the gradient of it, computed on one plain
 model. With a keep mask (ZeRO-3; ranks dropping different numbers of groups, one rank all of its
 own, every row), the update equals the full-batch update of the kept rows; dropping every row
-changes nothing. With --entropy_coef (ZeRO-3, padded and packed), the gradient of the fused entropy
-equals that of the full logits' entropy. --advantage_estimator on 2 ranks: each rank's advantages
-equal the full batch's (reinforce_pp whitens over both ranks' kept rows), and the update with them
-equals the full-batch update. And grpo.dynamic_sampling on 2 ranks: ranks sample extra rounds in
-lockstep up to the cap, a rank left short marks its filler groups keep False, the stats are summed
-over ranks.
+changes nothing. Distillation's (B, C) advantages with masked importance weights (token and
+sequence level) under ZeRO-3 equal the full-batch update too. With --entropy_coef (ZeRO-3, padded
+and packed), the gradient of the fused entropy equals that of the full logits' entropy.
+--advantage_estimator on 2 ranks: each rank's advantages equal the full batch's (reinforce_pp
+whitens over both ranks' kept rows), and the update with them equals the full-batch update. And
+grpo.dynamic_sampling on 2 ranks: ranks sample extra rounds in lockstep up to the cap, a rank left
+short marks its filler groups keep False, the stats are summed over ranks.
 Usage: torchrun --nproc_per_node 2 tests/dist_grpo_accum.py MODEL_DIR TMP_DIR
 """
 
@@ -37,6 +38,7 @@ from grpo import (
     loss_normalizer,
     micro_plan,
     parse_args,
+    sampler_weights,
     update,
 )
 from zero3_utils import all_cat, gathered
@@ -87,9 +89,11 @@ def grpo_args(loss_type, micro, budget, packing, extra=()):
     return parse_args(argv + ["--max_tokens_per_microbatch", str(budget), *extra])
 
 
-def reference(loss_type, kept, coef=0.0):
+def reference(loss_type, kept, coef=0.0, adv=None, is_w=None):
     """Loss, normaliser and gradient of the full batch's kept rows on one plain model; coef > 0:
-    with an entropy bonus, the entropy of the full logits."""
+    with an entropy bonus, the entropy of the full logits; adv: other advantages ((B,) or (B, C));
+    is_w: (B, C) importance weights."""
+    adv = advantages if adv is None else adv
     ref_model.zero_grad()
     norm = loss_normalizer(cmask[kept], loss_type, C)
     logps, entropy = plain_logps(ref_model, entropy=True)
@@ -97,7 +101,7 @@ def reference(loss_type, kept, coef=0.0):
         logps[kept],
         old_logps[kept],
         ref_logps[kept],
-        advantages[kept],
+        adv[kept],
         cmask[kept],
         beta=0.04,
         epsilon_low=0.2,
@@ -106,13 +110,15 @@ def reference(loss_type, kept, coef=0.0):
         normalizer=norm,
         entropy=entropy[kept],
         entropy_coef=coef,
+        is_weights=None if is_w is None else is_w[kept],
     )
     loss.backward()
     return loss.detach(), norm, {n: p.grad.clone() for n, p in ref_model.named_parameters()}
 
 
-def check(label, stage, args, keep, want_loss, want_norm, want, atol=1e-7):
-    """grpo.update on 2 ranks (rows 4 * rank ... + 3 each) against the reference."""
+def check(label, stage, args, keep, want_loss, want_norm, want, atol=1e-7, inputs=None):
+    """grpo.update on 2 ranks (rows 4 * rank ... + 3 each) against the reference; inputs: (B, ...)
+    tensors that replace or join the batch's (advantages, is_weights)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     config = {
@@ -135,6 +141,7 @@ def check(label, stage, args, keep, want_loss, want_norm, want, atol=1e-7):
         "old_logps": old_logps[mine],
         "ref_logps": ref_logps[mine],
         "keep": None if keep is None else keep[mine],
+        **{k: v[mine] for k, v in (inputs or {}).items()},
     }
     label = f"{args.loss_type} zero{stage} {label}"
     plan = micro_plan(batch, args)
@@ -211,6 +218,22 @@ for micro, budget, packing in ((1, 0, False), (4, 22, True)):
     check(
         f"entropy micro={micro} budget={budget} packing={packing}", 3, args, None, loss, norm, want
     )
+
+# Per-token inputs: on-policy distillation's (B, C) advantages and masked importance weights
+# (grpo.sampler_weights: tokens and whole sequences outside the band weigh 0), ZeRO-3, padded and
+# packed, one micro-batch per row or a token budget: the update equals the full-batch update
+gen = torch.Generator().manual_seed(5)
+per_token = advantages[:, None] + 0.5 * torch.randn(B, C, generator=gen)  # (B, C)
+sampler = old_logps - 0.4 * torch.randn(B, C, generator=gen)  # (B, C)
+for mode in ("token_mask", "sequence_mask"):
+    is_w = sampler_weights(old_logps, sampler, cmask, mode, 1.5, 0.6)  # (B, C)
+    assert (is_w * cmask == 0).sum() > (cmask == 0).sum() and (is_w > 0).any()  # some masked
+    loss, norm, want = reference("bnpo", torch.ones(B, dtype=torch.bool), adv=per_token, is_w=is_w)
+    for micro, budget, packing in ((1, 0, False), (4, 22, True)):
+        args = grpo_args("bnpo", micro, budget, packing)
+        inputs = {"advantages": per_token, "is_weights": is_w}
+        label = f"(B, C) advantages, {mode} micro={micro} budget={budget} packing={packing}"
+        check(label, 3, args, None, loss, norm, want, inputs=inputs)
 
 # --advantage_estimator on 2 ranks, groups of 2, rank 1 dropping a group: grpo and rloo are
 # group-local; reinforce_pp whitens over the kept rows of both ranks (a collective), so each rank's

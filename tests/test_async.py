@@ -108,14 +108,22 @@ def test_flags_and_importance_weights():
         "keep": None,
         "truncated": torch.zeros(4, dtype=torch.bool),
     }
-    weights, _ = vllm_importance_weights(batch, args)  # (B, C)
+    weights, stats = vllm_importance_weights(batch, args)  # (B, C)
+    assert stats["vllm_is_ratio"] == pytest.approx((5 * 1 + 5 * 2 + 5 * 5 + 3 * math.exp(-1)) / 18)
+    assert stats["vllm_is_outside_tokens"] == pytest.approx(5 / 18)  # row 2's tokens: 5 > 3
+    assert stats["vllm_is_outside_seqs"] == 0.5  # rows 1 and 2: 2^5 and 5^5 > 3; row 3: e^-3
     assert torch.equal(weights[0], torch.ones(5))  # the sampler is the trainer: exactly 1
     torch.testing.assert_close(weights[1], torch.full((5,), 2.0))
     assert torch.equal(weights[2], torch.full((5,), 3.0))  # capped
     torch.testing.assert_close(weights[3, :3], torch.full((3,), math.exp(-1.0)))
     batch["old_logps"] = sampler.clone()
-    weights, ratio = vllm_importance_weights(batch, args)
-    assert torch.equal(weights, torch.ones(4, 5)) and ratio == 1.0
+    weights, stats = vllm_importance_weights(batch, args)
+    assert torch.equal(weights, torch.ones(4, 5))
+    assert stats == {
+        "vllm_is_ratio": 1.0,
+        "vllm_is_outside_tokens": 0.0,
+        "vllm_is_outside_seqs": 0.0,
+    }
 
 
 ASYNC = [

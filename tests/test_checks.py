@@ -315,7 +315,7 @@ def test_unknown_loss_type_and_flags(env, capsys):
     assert fails(
         capsys,
         preflight(grpo.main, env, "--loss_type", "sum"),
-        f"choose one of {grpo.LOSS_TYPES}",
+        f"must be one of {', '.join(grpo.LOSS_TYPES)}",
     )
     assert fails(
         capsys,

@@ -184,7 +184,9 @@ def test_bad_environments_and_templates(tokenizer):
 
     assert parse_args(["--env", "envs:calculator"]).env == "envs:calculator"  # as given
     assert envs.load_env("envs:calculator") is envs.calculator  # grpo.main's factory
-    with pytest.raises(RunError, match="--env runs with the synchronous rollout only"):
+    with pytest.raises(
+        RunError, match="--env, --dynamic_sampling and --max_staleness > 0: one at a time"
+    ):
         parse_args(["--env", "envs:calculator", "--dynamic_sampling", "True"])
 
 

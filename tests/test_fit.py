@@ -114,6 +114,24 @@ def test_no_budget_and_nothing_fits_the_machine_exits_2(monkeypatch):
     assert "nothing fits" in msg and "configs/zero3_offload.json" in msg
 
 
+def test_gpu_gb_fits_on_paper_for_a_gpu_this_machine_lacks(capsys):
+    """--estimate_memory --gpu_gb N: the knobs the fitter picks for a GPU of N GB (bf16, no CPU
+    runtime), every phase under the high-water mark; nothing fits: exit 2 naming it."""
+    argv = ["--model", "qwen2.5-0.5b", "--max_completion_length", "1024", "--lora_r", "0"]
+    args = grpo.parse_args(argv + ["--gpu_gb", "24", "--estimate_memory", "True"])
+    kw = estimate_kwargs(args, 1, grpo.memory_models(args), gpu_gb=24)
+    assert (kw["dtype"], kw["device_gb"]) == ("bf16", 24)
+    assert not kw["fused_adam"]  # configs/zero3.json asks for torch's Adam, on a GPU too
+    knobs, phases = fit.fit_for_gpu(args, 1, grpo.memory_models(args), 24, say=lambda s: None)
+    assert max(phases.values()) <= HIGH_WATER * 24 * GB
+    assert knobs.per_device_train_batch_size < args.per_device_train_batch_size  # fitted
+    assert grpo.main(argv + ["--gpu_gb", "24", "--estimate_memory", "True"]) is not None
+    assert "memory budget 24.0 GB" in capsys.readouterr().out
+    big = grpo.parse_args(["--model", "qwen2.5-7b", "--max_completion_length", "1024"])
+    with pytest.raises(RunError, match="--gpu_gb 24: --memory_budget_gb 24: nothing fits"):
+        fit.fit_for_gpu(big, 1, grpo.memory_models(big), 24, say=lambda s: None)
+
+
 def test_ppo_fits_the_same_knobs_in_its_own_phases():
     argv = ["--model", "qwen2.5-0.5b", "--dtype", "bf16", "--max_completion_length", "512"]
     need = need_gb(ppo.parse_args(argv), ppo)

@@ -13,10 +13,12 @@ from fit import Knobs
 from grpo import (
     ADVANTAGE_ESTIMATORS,
     LOSS_TYPES,
+    VLLM_IMPORTANCE_MODES,
     estimate_advantages,
     group_advantages,
     grpo_loss,
     loss_normalizer,
+    sampler_weights,
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -216,6 +218,48 @@ def test_cispo_keeps_every_tokens_gradient():
     # where the ratio stays inside the band, the gradients are the clipped loss's
     inside = on & (ratio < 1.2) & (ratio > 0.8)
     torch.testing.assert_close(grads["cispo"][inside], grads["bnpo"][inside])
+
+
+@pytest.mark.parametrize("mode", VLLM_IMPORTANCE_MODES)
+def test_sampler_weights_match_naive(mode):
+    """Each --vllm_importance_mode against a loop over tokens: r per token or the product over the
+    sequence's tokens; truncate clamps r to [low, cap], mask zeroes it outside. A sequence whose
+    product overflows (row 4) is capped or masked, never NaN; a masked token trains nothing."""
+    g = torch.Generator().manual_seed(0)
+    B, C, cap, low = 5, 6, 2.0, 0.5
+    sampler = -3 * torch.rand(B, C, generator=g, dtype=torch.float64)  # (B, C)
+    old = sampler + 0.5 * torch.randn(B, C, generator=g, dtype=torch.float64)  # (B, C)
+    old[4] = sampler[4] + 200.0  # exp(1200) overflows
+    mask = (torch.arange(C)[None] < torch.tensor([6, 3, 1, 5, 6])[:, None]).long()  # (B, C)
+    got = sampler_weights(old, sampler, mask, mode, cap, low)
+    assert not got.isnan().any()
+    for b in range(B):
+        kept = [t for t in range(C) if mask[b, t]]
+        seq = sum(old[b, t].item() - sampler[b, t].item() for t in kept)
+        for t in kept:
+            log_r = seq if mode.startswith("sequence") else old[b, t].item() - sampler[b, t].item()
+            r = math.exp(min(log_r, 700.0))  # past 700: above any cap, like inf
+            if mode.endswith("truncate"):
+                want = min(max(r, low), cap)
+            else:
+                want = r if low <= r <= cap else 0.0
+            assert got[b, t].item() == pytest.approx(want, rel=1e-9), (b, t)
+    logps = old.clone().requires_grad_()
+    loss, _ = grpo_loss(
+        logps,
+        old,
+        None,
+        torch.ones(B, dtype=torch.float64),
+        mask,
+        beta=0.0,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        loss_type="bnpo",
+        normalizer=loss_normalizer(mask, "bnpo", C),
+        is_weights=got,
+    )
+    loss.backward()
+    assert torch.equal(logps.grad != 0, (got != 0) & (mask == 1))  # masked: no gradient
 
 
 def test_grpo_loss_is_weights_and_errors():
@@ -449,11 +493,17 @@ def test_bad_input_fails_with_a_message_that_says_what_to_change(tmp_path):
     from grpo import parse_args
 
     for argv, msg in (
-        (["--loss_type", "sum"], "choose one of"),
+        (["--loss_type", "sum"], "must be one of grpo, bnpo"),
         (["--num_generations", "1"], ">= 2"),
         (["--vllm_importance_cap", "2"], "needs --use_vllm"),
         (["--importance_sampling_level", "group"], "token"),
-        (["--advantage_estimator", "gae"], "choose one of"),
+        (["--advantage_estimator", "gae"], "must be one of grpo, rloo"),
+        (["--vllm_importance_mode", "seq"], "must be one of token_truncate"),
+        (
+            ["--use_vllm", "True", "--vllm_importance_mode", "token_mask"],
+            "--vllm_importance_cap > 0",
+        ),
+        (["--dtype", "fp16"], "--dtype fp16: must be one of auto, bf16, fp32"),
         (["--advantage_estimator", "rloo"], "needs --scale_rewards False"),
         (["--advantage_estimator", "reinforce_pp", "--scale_rewards", "False"], "True"),
         (["--distill_only", "True"], "needs --teacher_model"),

@@ -82,6 +82,10 @@ def test_zero2_vllm_reference_iterations(tmp_path):
         "2",
         "--vllm_importance_cap",
         "2.0",
+        "--vllm_importance_mode",
+        "sequence_mask",
+        "--vllm_importance_min",
+        "0.5",
         "--loss_type",
         "grpo",
         "--save_model",
@@ -98,6 +102,7 @@ def test_zero2_vllm_reference_iterations(tmp_path):
         assert r["ratio"] != 1.0  # ... and from the old policy
         # weights synced into vLLM: its log-probs of its own samples match the trainer's
         assert r["vllm_is_ratio"] == pytest.approx(1.0, abs=1e-3)
+        assert r["vllm_is_outside_seqs"] == r["vllm_is_outside_tokens"] == 0.0  # none masked
     conftest.assert_vllm_holds_trainer_weights(rows)
     assert "held-out reward: start" in out
 

@@ -6,7 +6,15 @@ import os
 import pytest
 import torch
 
-from memory import GB, PRESETS, MemoryLedger, estimate_memory, knobs_to_fit, model_shape
+from memory import (
+    GB,
+    PRESETS,
+    MemoryLedger,
+    estimate_memory,
+    knobs_to_fit,
+    lora_params,
+    model_shape,
+)
 
 MB = 2**20
 # small Llama-style shape: per layer q,k,v 64*3*64 + o 64*64 + MLP 3*64*128 + norms 2*64 = 41088
@@ -102,6 +110,27 @@ def test_parameter_count_matches_real_models():
     assert model_shape(qwen)["N"] == Qwen2ForCausalLM(Qwen2Config(**qwen)).num_parameters()
     # the presets are the published sizes: 0.49 B, 1.54 B, 3.09 B, 7.62 B
     assert [round(model_shape(k)["N"] / 1e9, 2) for k in PRESETS] == [0.49, 1.54, 3.09, 7.62]
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj"])
+def test_lora_params_match_peft_and_only_they_carry_states(targets):
+    """lora_params counts what peft's LoRA trains (every linear layer but the lm_head for
+    "all-linear"); the estimate's gradients and Adam states follow them, the weights all N."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    qwen = dict(PRESETS["qwen2.5-0.5b"], hidden_size=128, intermediate_size=256, vocab_size=500)
+    qwen.update(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    names = targets if targets == "all-linear" else targets.split(",")
+    model = get_peft_model(
+        Qwen2ForCausalLM(Qwen2Config(**qwen)), LoraConfig(r=4, target_modules=names)
+    )
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_params(qwen, 4, targets) == trained
+    full = estimate_memory(qwen, world_size=2, zero_stage=3)["pieces"]
+    lora = estimate_memory(qwen, world_size=2, zero_stage=3, trainable_params=trained)["pieces"]
+    assert lora["params"] == full["params"]  # the frozen weights are still there
+    assert (lora["grads"], lora["optimizer"]) == (2 * trained // 2, 12 * trained // 2)
 
 
 def test_config_from_path(tmp_path):

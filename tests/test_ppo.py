@@ -192,7 +192,7 @@ def test_policy_loss_matches_naive(loss_type, coef):
         assert (lp.grad[mask == 1] != 0).all()
     with pytest.raises(ValueError, match="loss_type"):
         policy_loss(lp, old, adv, mask, 0.2, 7.0, "grpo")
-    with pytest.raises(ppo.RunError, match="choose one of"):
+    with pytest.raises(ppo.RunError, match="must be one of ppo"):
         parse_args(["--loss_type", "grpo"])
 
 
