@@ -10,8 +10,10 @@ left running (each run sends its own starting weights first); each run is `bash 
 (2 ranks, ZeRO-3, a fresh run dir), the same seed, data and steps; K = 0, 1, 0, 1, ... (--rounds
 pairs), both with --vllm_importance_cap 3 (the passes are the same). Per run: the median seconds per
 step after the first (the first step of an asynchronous run waits for its first batch), its rollout
-and update seconds, and the held-out reward at the start and the end. Prints a table and writes
-bench/out/async_grpo/<config>.json.
+and update seconds, and the held-out reward at the start and the end. Per pair: the K = 1 run's
+gain as a share of the ideal one (share_of_ideal: overlap makes a step at best the larger of
+generation and the rest), and what it waited for (rollouts, the weight sync). Prints a table and
+writes bench/out/async_grpo/<config>.json.
 """
 
 import json
@@ -119,9 +121,31 @@ def one_run(url, flags, k, name, args, extra=()):
         "update_s": statistics.median(r["update_s"] for r in later),
         "weight_sync_s": statistics.median(r["weight_sync_s"] for r in later),
         "staleness_max": max((r.get("async/staleness_max", 0) for r in steps), default=0),
+        "trainer_wait_s": statistics.median(r.get("async/trainer_wait_s", 0.0) for r in later),
+        "server_wait_s": statistics.median(r.get("async/server_wait_s", 0.0) for r in later),
         "eval_start": evals[0] if evals else None,
         "eval_end": evals[-1] if evals else None,
         "rows": steps,
+    }
+
+
+def share_of_ideal(sync, overlapped):
+    """What overlap can give at best: the synchronous run's step is generation + the rest (log-
+    probs, update, weight sync; its rollout_s counts the sync before generating), the asynchronous
+    one's at best the larger of the two; the gain achieved (1 - K1/K0) as a share of that ideal
+    gain (1 - max / sum)."""
+    gen = sync["rollout_s"] - sync["weight_sync_s"]
+    rest = sync["step_s"] - gen
+    ideal = max(gen, rest) / sync["step_s"]
+    achieved = overlapped["step_s"] / sync["step_s"]
+    return {
+        "generation_s": gen,
+        "rest_s": rest,
+        "ideal": ideal,
+        "achieved": achieved,
+        "share": (1 - achieved) / (1 - ideal) if ideal < 1 else float("nan"),
+        "trainer_wait_s": overlapped["trainer_wait_s"],
+        "weight_sync_s": overlapped["weight_sync_s"],
     }
 
 
@@ -149,11 +173,20 @@ def main():
     by_k = {k: [r for r in results if r["K"] == k] for k in (0, 1)}
     med = {k: statistics.median(r["step_s"] for r in rs) for k, rs in by_k.items()}
     ends = {k: [r["eval_end"] for r in rs] for k, rs in by_k.items()}
+    pairs = [share_of_ideal(r0, r1) for r0, r1 in zip(by_k[0], by_k[1])]
     summary = {"s_per_step": med, "ratio_K1_over_K0": med[1] / med[0], "eval_end": ends}
+    summary["pairs"] = pairs
     print(
         f"{args.config}: s/step K=0 {med[0]:.2f}, K=1 {med[1]:.2f} (ratio {med[1] / med[0]:.2f}); "
         f"held-out reward at the end K=0 {ends[0]}, K=1 {ends[1]}"
     )
+    for i, p in enumerate(pairs):
+        print(
+            f"round {i}: K=1 / K=0 {p['achieved']:.3f}, ideal {p['ideal']:.3f} (generation "
+            f"{p['generation_s']:.2f} s vs the rest {p['rest_s']:.2f} s): {p['share']:.0%} of the "
+            f"ideal gain; K=1 waited {p['trainer_wait_s']:.2f} s per step for rollouts, synced "
+            f"{p['weight_sync_s']:.2f} s"
+        )
     with open(os.path.join(args.out_dir, f"{args.config}.json"), "w") as f:
         json.dump({"args": vars(args), "runs": results, "summary": summary}, f, indent=1)
 

@@ -176,3 +176,24 @@ def test_held_out_logs_pass_at_k_only_with_several_samples(k):
         assert set(row) == {"step", "eval/reward", "eval/accuracy", "eval/pass@1", "eval/pass@3"}
         assert row["eval/pass@1"] == pytest.approx((1 + 0 + 3 + 1) / 3 / 4)
         assert row["eval/pass@3"] == pytest.approx(3 / 4)
+
+
+def test_reward_stats_match_naive():
+    """tasks.reward_stats, both loops' training-reward metrics, against plain Python over the
+    rows (B, 2 + F): the total, the length, each function's reward."""
+    import statistics
+
+    from tasks import reward_stats
+
+    rows = [[0.25, 3, 1.0, 0.0], [1.0, 5, 1.0, 1.0], [0.5, 2, 1.0, 1.0], [0.0, 4, 0.0, 0.0]]
+    got = reward_stats(torch.tensor(rows, dtype=torch.float64), ["fmt", "ok"])
+    col = list(zip(*rows))
+    want = {"reward": statistics.mean(col[0]), "reward_std": statistics.stdev(col[0])}
+    want["accuracy"] = sum(all(v >= 1 for v in r[2:]) for r in rows) / len(rows)
+    want.update(completion_len=statistics.mean(col[1]), completion_len_max=max(col[1]))
+    want["completion_tokens"] = sum(col[1])
+    for j, name in enumerate(["fmt", "ok"]):
+        want[f"rewards/{name}/mean"] = statistics.mean(col[2 + j])
+        want[f"rewards/{name}/std"] = statistics.stdev(col[2 + j])
+    assert got == pytest.approx(want)
+    assert "accuracy" not in reward_stats(torch.tensor(rows)[:, :2], [])  # a reward model
