@@ -129,6 +129,9 @@ def one_run(url, flags, k, name, args, extra=()):
     }
 
 
+KEYS = ("step_s", "rollout_s", "weight_sync_s", "trainer_wait_s")
+
+
 def share_of_ideal(sync, overlapped):
     """What overlap can give at best: the synchronous run's step is generation + the rest (log-
     probs, update, weight sync; its rollout_s counts the sync before generating), the asynchronous
@@ -174,13 +177,18 @@ def main():
     med = {k: statistics.median(r["step_s"] for r in rs) for k, rs in by_k.items()}
     ends = {k: [r["eval_end"] for r in rs] for k, rs in by_k.items()}
     pairs = [share_of_ideal(r0, r1) for r0, r1 in zip(by_k[0], by_k[1])]
+    medians = [
+        {k: statistics.median(r[k] for r in by_k[K]) for k in by_k[K][0] if k in KEYS}
+        for K in (0, 1)
+    ]
+    overall = share_of_ideal(*medians)  # the medians of all runs: less noise than one pair
     summary = {"s_per_step": med, "ratio_K1_over_K0": med[1] / med[0], "eval_end": ends}
-    summary["pairs"] = pairs
+    summary.update(pairs=pairs, share_of_ideal=overall)
     print(
         f"{args.config}: s/step K=0 {med[0]:.2f}, K=1 {med[1]:.2f} (ratio {med[1] / med[0]:.2f}); "
         f"held-out reward at the end K=0 {ends[0]}, K=1 {ends[1]}"
     )
-    for i, p in enumerate(pairs):
+    for i, p in [*enumerate(pairs), ("s' medians", overall)]:
         print(
             f"round {i}: K=1 / K=0 {p['achieved']:.3f}, ideal {p['ideal']:.3f} (generation "
             f"{p['generation_s']:.2f} s vs the rest {p['rest_s']:.2f} s): {p['share']:.0%} of the "
