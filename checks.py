@@ -236,10 +236,9 @@ def in_range(value, rule):
 
 
 def arg(default, help, range=None, why=None, aliases=None):
-    """An Args field in one line: its default, its --help text and, for a number, the range that
-    check_ranges enforces (">= 0", "> 0", "(0, 1]", ...), for a string a tuple of its choices,
-    with an optional reason for the message; aliases: an older flag name still accepted
-    ("--old_name")."""
+    """An Args field in one line: its default, its --help text, the range check_ranges enforces
+    (">= 0", "(0, 1]", ...; a string's choices as a tuple) with an optional reason for the
+    message; aliases: an older flag name still accepted ("--old_name")."""
     metadata = {"help": help}
     if range is not None:
         metadata["range"] = range
@@ -597,8 +596,6 @@ def check_partitioned_loading(models):
 
 
 def check_vllm(use_vllm, tensor_parallel_size, world, mode="colocate"):
-    if mode not in ("colocate", "server"):
-        raise RunError(f"--vllm_mode {mode}: choose colocate or server")
     if mode == "server" and not use_vllm:
         raise RunError("--vllm_mode server needs --use_vllm True")
     if mode == "server" and tensor_parallel_size != 1:

@@ -101,7 +101,9 @@ class RunArgs:
     top_p: float = arg(1.0, "nucleus sampling", "(0, 1]")
     use_vllm: bool = arg(False, "generate with vLLM (--vllm_mode: colocated, or a server)")
     vllm_mode: str = arg(
-        "colocate", "colocate: an engine per rank; server: VLLM_DEVICES=... run.sh"
+        "colocate",
+        "colocate: an engine per rank; server: VLLM_DEVICES=... run.sh",
+        ("colocate", "server"),
     )
     vllm_server_url: str = arg("http://127.0.0.1:8000", "server mode: the vLLM server's address")
     gather_for_generation: bool = arg(True, "ZeRO-3: gather to generate; False: layer by layer")

@@ -239,7 +239,7 @@ def test_use_vllm_without_vllm(env, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--vllm_mode", "remote"], "--vllm_mode remote: choose colocate or server"),
+        (["--vllm_mode", "remote"], "--vllm_mode remote: must be one of colocate, server"),
         (["--vllm_mode", "server"], "--vllm_mode server needs --use_vllm True"),
         (
             ["--use_vllm", "True", "--vllm_mode", "server", "--vllm_tensor_parallel_size", "2"],
