@@ -188,9 +188,9 @@ def main():
         f"{args.config}: s/step K=0 {med[0]:.2f}, K=1 {med[1]:.2f} (ratio {med[1] / med[0]:.2f}); "
         f"held-out reward at the end K=0 {ends[0]}, K=1 {ends[1]}"
     )
-    for i, p in [*enumerate(pairs), ("s' medians", overall)]:
+    for name, p in [*((f"round {i}", p) for i, p in enumerate(pairs)), ("medians", overall)]:
         print(
-            f"round {i}: K=1 / K=0 {p['achieved']:.3f}, ideal {p['ideal']:.3f} (generation "
+            f"{name}: K=1 / K=0 {p['achieved']:.3f}, ideal {p['ideal']:.3f} (generation "
             f"{p['generation_s']:.2f} s vs the rest {p['rest_s']:.2f} s): {p['share']:.0%} of the "
             f"ideal gain; K=1 waited {p['trainer_wait_s']:.2f} s per step for rollouts, synced "
             f"{p['weight_sync_s']:.2f} s"
