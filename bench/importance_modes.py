@@ -44,8 +44,8 @@ def summary(run):
     """The ratio's distribution over a run's steps (each step's share of the run's tokens or
     sequences outside its band; their median and largest) and its held-out rewards."""
     rows = [r for r in run["rows"] if "vllm_is_ratio" in r]
-    col = {k: [r[k] for r in rows] for k in ("vllm_is_ratio", "vllm_is_outside_tokens")}
-    col["vllm_is_outside_seqs"] = [r["vllm_is_outside_seqs"] for r in rows]
+    names = ("vllm_is_ratio", "vllm_is_outside_tokens", "vllm_is_outside_seqs")
+    col = {k: [r[k] for r in rows] for k in names}
     out = {"steps": len(rows), "eval_start": run["eval_start"], "eval_end": run["eval_end"]}
     for k, v in col.items():
         out[k] = {"median": statistics.median(v), "min": min(v), "max": max(v)}
