@@ -5,6 +5,7 @@
     python bench/vs_trl.py --config 100m-qwenvocab --prompts 2 # same body, Qwen2.5 tokenizer
     python bench/vs_trl.py --config tiny --sides ours          # only ours (CI: no TRL install)
     python bench/vs_trl.py --config smollm2 [--gradient_checkpointing]  # the real instruct model
+    python bench/vs_trl.py --config smollm2 --generation vllm [--trl_generation hf]  # with vLLM
 
 Runs alternate (ours, TRL, ours, TRL, ...) so that load from other jobs hits both alike; each run
 is a fresh process (one process, CPU or one GPU). Every run's figures go to
@@ -30,6 +31,21 @@ The same work on both sides:
   to equal C;
 - fp32, HF generation (KV cache, sampling at temperature 1, top_p 1, top_k 0), beta 0 (no
   reference model), one optimizer step per generated batch, AdamW, gradient clipping 1.0.
+
+--generation vllm (both sides, unless --trl_generation says otherwise for TRL): ours with
+`--use_vllm True --vllm_mode colocate` (one in-process engine, distributed_executor_backend
+"external_launcher", as on each rank of a real run); TRL with use_vllm=True, vllm_mode="colocate"
+(the same kind of engine). Both engines: the model's dtype (fp32), max_model_len = 512 + C (ours:
+--max_prompt_length 512 + C; TRL: vllm_max_model_length), the same VLLM_CPU_KVCACHE_SPACE (run.sh's
+CPU default, 1 GB, unless set), vLLM's defaults otherwise (not eager on either side); the same
+sampling (temperature 1, top_p 1, top_k 0) and C forced as SamplingParams(min_tokens=C): TRL takes
+it through generation_kwargs, ours has no such option, so ours' worker adds min_tokens=C to the
+SamplingParams grpo.py builds. No importance correction on either side (ours' default; TRL's
+vllm_importance_sampling_correction=False), so neither adds an old-log-prob pass. On vLLM's CPU
+build 0.32, TRL 1.16 runs neither colocated nor as a server (docs/benchmarks.md, "with vLLM":
+its weight sync calls model.load_weights, which the CPU backend's repacked linear weights refuse;
+its server client refuses a non-CUDA device), so on CPU --trl_generation hf compares ours with
+vLLM to TRL at its best generation that runs here.
 
 Ours: grpo.py's own main(), unchanged, in one process (RANK 0 / WORLD_SIZE 1, as torchrun would
 set them), with a DeepSpeed JSON written here from configs/zero2.json with the stage of --zero
@@ -71,7 +87,9 @@ Measured per run (the worker wraps methods; nothing in either trainer changes):
   s/step likewise from the process's CPU time (steadier than wall on a shared machine);
 - peak memory: the process's peak resident set (Linux VmHWM) over the whole run; ours' ledger
   resets VmHWM per phase, so the high-water mark is read before every reset;
-- per phase (seconds per step): generation (the HF generate call), rollout (generation +
+- per phase (seconds per step): generation (the HF generate call, or vLLM's: VLLMGenerator
+  .generate, TRL's VLLMGeneration.generate), weight_sync (vLLM only: the trainer's weights into
+  the engine, before each step's generation), rollout (generation +
   decoding + rewards + advantages), logprobs (no-grad old/reference passes), update_forward
   (policy log-probs with grad), update_backward, optimizer_step (clipping + AdamW); peak memory
   per phase from ours' metrics.jsonl (rollout, update, optimizer_step) and the same three
@@ -107,6 +125,7 @@ TRL_DEPS = [
 QWEN_TOKENIZER = os.path.join(os.path.dirname(ROOT), "shared", "assets", "qwen2.5-tokenizer")
 OUT = os.path.join(BENCH, "out", "vs_trl")
 GB = 2**30
+MAX_PROMPT = 512  # ours' --max_prompt_length; the vLLM engines' max_model_len is this + C
 
 CONFIGS = {  # body of the model, vocabulary, and the work per step
     "tiny": dict(
@@ -167,6 +186,7 @@ CONFIGS = {  # body of the model, vocabulary, and the work per step
     ),
 }
 PHASES = (
+    "weight_sync",
     "generation",
     "rollout",
     "logprobs",
@@ -338,6 +358,21 @@ class Profile:
         finally:
             self.add(name, time.perf_counter() - t)
 
+    def timer(self, name, cond=None):
+        """For wrap(): the wrapped call's seconds go to the current step's `name` phase (only
+        the calls for which cond(), if given, is true)."""
+
+        def make(fn):
+            def inner(*a, **k):
+                if cond is not None and not cond():
+                    return fn(*a, **k)
+                with self.timed(name):
+                    return fn(*a, **k)
+
+            return inner
+
+        return make
+
     def save_hwm(self):
         """Keep the run's peak before anything resets VmHWM."""
         self.run_peak = max(self.run_peak, vm_kib("VmHWM") * 1024)
@@ -412,24 +447,28 @@ def ours_worker(spec, result):
     import harness
     import memory
 
-    def timer(name, cond=None):
-        def make(fn):
-            def inner(*a, **k):
-                if cond is not None and not cond():
-                    return fn(*a, **k)
-                with prof.timed(name):
-                    return fn(*a, **k)
-
-            return inner
-
-        return make
-
     # grpo.py and harness.py import these names at their top (from generation / batching import
     # ...) and call them as module globals, so replacing the attributes reaches every call.
-    wrap(harness, "generate_hf", timer("generation"))
-    wrap(grpo, "batch_logps", timer("logprobs"))
-    wrap(grpo, "forward_logps", timer("update_forward", torch.is_grad_enabled))
-    wrap(DeepSpeedEngine, "backward", timer("update_backward"))
+    wrap(harness, "generate_hf", prof.timer("generation"))
+    if spec["generation"] == "vllm":
+        from vllm import LLM
+
+        import generation
+
+        wrap(generation.VLLMGenerator, "generate", prof.timer("generation"))
+        wrap(generation.VLLMGenerator, "sync_weights", prof.timer("weight_sync"))
+        llm_generate, C = LLM.generate, spec["cfg"]["completion"]
+
+        def forced_length(self, prompts, params, *a, **k):
+            # grpo.py has no min-length option: the SamplingParams it builds get TRL's min_tokens
+            for p in params:
+                p.min_tokens = C
+            return llm_generate(self, prompts, params, *a, **k)
+
+        LLM.generate = forced_length
+    wrap(grpo, "batch_logps", prof.timer("logprobs"))
+    wrap(grpo, "forward_logps", prof.timer("update_forward", torch.is_grad_enabled))
+    wrap(DeepSpeedEngine, "backward", prof.timer("update_backward"))
     step = DeepSpeedEngine.step
 
     def engine_step(self, *a, **k):
@@ -497,7 +536,9 @@ def trl_worker(spec, result):
     """GRPOTrainer configured as the module docstring maps, with the same timers."""
     sys.path[:0] = [TRL_DIR, BENCH]
     prof = Profile(result, "trl")
-    hide_vllm()
+    use_vllm = spec["trl_generation"] == "vllm"
+    if not use_vllm:
+        hide_vllm()
     import torch
 
     prof.write(threads=torch.get_num_threads())
@@ -541,7 +582,12 @@ def trl_worker(spec, result):
         temperature=1.0,
         top_p=1.0,
         top_k=0,
-        generation_kwargs={"min_new_tokens": C},
+        # vLLM mode passes generation_kwargs into SamplingParams (min_tokens), HF into generate
+        generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": C},
+        use_vllm=use_vllm,
+        vllm_mode="colocate",
+        vllm_max_model_length=spec["max_model_len"],  # ours: --max_prompt_length 512 + C
+        vllm_importance_sampling_correction=False,  # ours' default: no old-log-prob pass
         loss_type="dapo",
         scale_rewards="group",
         beta=0.0,
@@ -597,13 +643,11 @@ def trl_worker(spec, result):
         callbacks=[StepEnd()],
     )
     model = trainer.model
-    generate = model.generate
-
-    def timed_generate(*a, **k):
-        with prof.timed("generation"):
-            return generate(*a, **k)
-
-    model.generate = timed_generate  # unwrap_model_for_generation hands back this same object
+    if use_vllm:
+        wrap(trainer.vllm_generation, "generate", prof.timer("generation"))
+        wrap(trainer.vllm_generation, "sync_weights", prof.timer("weight_sync"))
+    else:  # unwrap_model_for_generation hands back this same object
+        wrap(model, "generate", prof.timer("generation"))
     backward = trainer.accelerator.backward
 
     def timed_backward(*a, **k):
@@ -672,7 +716,7 @@ def ours_argv(a, cfg, model_dir, data, ds_json, run_dir):
         "--num_generations",
         str(G),
         "--max_prompt_length",
-        "512",
+        str(MAX_PROMPT),
         "--max_completion_length",
         str(cfg["completion"]),
         "--temperature",
@@ -717,7 +761,7 @@ def ours_argv(a, cfg, model_dir, data, ds_json, run_dir):
         "0",
         "--save_model",
         "False",
-    ]
+    ] + (["--use_vllm", "True", "--vllm_mode", "colocate"] if a.generation == "vllm" else [])
 
 
 def write_ds_json(stage, path):
@@ -844,6 +888,21 @@ def main():
         action="store_true",
         help="on both sides (TRL's default); results go to <config>-gc",
     )
+    ap.add_argument(
+        "--generation",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="hf: HF generate on both sides; vllm: a colocated vLLM engine on both sides (ours "
+        "--use_vllm True --vllm_mode colocate, TRL use_vllm=True, vllm_mode='colocate'); "
+        "results go to <config>[-gc]-vllm",
+    )
+    ap.add_argument(
+        "--trl_generation",
+        choices=["hf", "vllm"],
+        help="TRL's generation when it differs from --generation (default: the same). On "
+        "vLLM's CPU build TRL 1.16 cannot sync weights into vLLM: there --generation vllm "
+        "--trl_generation hf sets ours with vLLM against TRL's best generation that runs",
+    )
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP_NUM_THREADS, both")
@@ -884,8 +943,12 @@ def main():
         ap.error("--sides: ours, trl or ours,trl")
     if "trl" in sides:
         ensure_trl()
+    trl_generation = a.trl_generation or a.generation
+    gens = {"ours": a.generation, "trl": trl_generation}
 
     name = a.config + ("-gc" if a.gradient_checkpointing else "")
+    if "vllm" in gens.values():
+        name += "-vllm" if trl_generation == a.generation else f"-vllm-trl{trl_generation}"
     work = os.path.join(a.out, name)
     os.makedirs(work, exist_ok=True)
     model_dir, params = build_model(a.config, cfg, os.path.join(a.out, "models", a.config))
@@ -915,6 +978,8 @@ def main():
         "WANDB_MODE": "offline",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONWARNINGS": "ignore",
+        # vLLM's CPU KV cache, the same on both sides: run.sh's CPU default (vLLM's own is 4 GB)
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     }
     command = "python bench/vs_trl.py " + " ".join(sys.argv[1:])
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
@@ -922,7 +987,8 @@ def main():
         f"{command}\n{a.config}: {params / 1e6:.2f}M parameters, V={vocab}, "
         f"{cfg['prompts']} prompts x G={cfg['generations']}, P={fmt_p(ours_ids)} prompt tokens, "
         f"C={cfg['completion']}, micro-batch {cfg['micro']}, ours ZeRO-{a.zero}, "
-        f"{cfg['rounds']} rounds x {cfg['steps']} steps",
+        f"{cfg['rounds']} rounds x {cfg['steps']} steps, generation: "
+        + ", ".join(f"{s} {gens[s]}" for s in sides),
         flush=True,
     )
 
@@ -937,6 +1003,9 @@ def main():
                 "prompts": prompts,
                 "answers": answers,
                 "gradient_checkpointing": a.gradient_checkpointing,
+                "generation": a.generation,
+                "trl_generation": trl_generation,
+                "max_model_len": MAX_PROMPT + cfg["completion"],  # as ours' engine gets
                 "conversational": conversational,
                 "run_dir": run_dir,
                 "steps": cfg["steps"],
@@ -1006,6 +1075,8 @@ def main():
     out = {
         "config": a.config,
         "gradient_checkpointing": a.gradient_checkpointing,
+        "generation": gens,
+        "vllm_cpu_kvcache_space_gb": env["VLLM_CPU_KVCACHE_SPACE"],
         "cfg": cfg,
         "parameters": params,
         "command": command,
@@ -1027,7 +1098,7 @@ def main():
     for s in sides:
         x = summary[s]
         print(
-            f"{s:4}: {x['s_per_step']:.2f} s/step (runs {fmt(x['s_per_step_runs'])}), "
+            f"{s:4} ({gens[s]}): {x['s_per_step']:.2f} s/step (runs {fmt(x['s_per_step_runs'])}), "
             f"{x['cpu_s_per_step']:.2f} CPU s/step, peak {x['peak_gb']:.2f} GB "
             f"(runs {fmt(x['peak_gb_runs'])}), {x['steps']} steps measured"
         )
@@ -1048,7 +1119,13 @@ def main():
             argv = json.load(f)["ours_argv"]
         print(
             "ours, the same run without timers: RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 "
-            "MASTER_PORT=29500 PYTHONPATH=bench python grpo.py " + " ".join(argv)
+            "MASTER_PORT=29500 PYTHONPATH=bench python grpo.py "
+            + " ".join(argv)
+            + (
+                "\n(without the worker, vLLM's completions end at EOS: min_tokens is the worker's)"
+                if a.generation == "vllm"
+                else ""
+            )
         )
 
 
