@@ -1,7 +1,8 @@
 """bench/vs_trl.py without TRL: our side (grpo.py in one process, ZeRO-0) for 2 steps at a tiny
-shape, the model and data it builds, its JSON, and that it installs nothing (~30-50 s). TRL's side
-runs only where bench/.trl was installed by hand (python bench/vs_trl.py does that); CI never
-installs it. The Qwen2.5 prompt check needs ../shared/assets."""
+shape, the model and data it builds, its JSON, and that it installs nothing (~30-50 s); the same
+with --generation vllm, a colocated vLLM CPU engine (~30 s). TRL's side runs only where bench/.trl
+was installed by hand (python bench/vs_trl.py does that); CI never installs it. The Qwen2.5
+prompt check needs ../shared/assets."""
 
 import importlib.util
 import json
@@ -20,7 +21,7 @@ vs_trl = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(vs_trl)
 
 
-def run_bench(out, sides):
+def run_bench(out, sides, *extra, name="tiny"):
     cmd = [
         sys.executable,
         os.path.join("bench", "vs_trl.py"),
@@ -36,10 +37,11 @@ def run_bench(out, sides):
         "2",
         "--out",
         str(out),
+        *extra,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(out / "tiny.json") as f:
+    with open(out / f"{name}.json") as f:
         return json.load(f), proc.stdout
 
 
@@ -65,6 +67,19 @@ def test_ours_side_tiny(tmp_path):
     with open(tmp_path / "tiny" / "zero0.json") as f:
         ds = json.load(f)
     assert ds["zero_optimization"]["stage"] == 0 and ds["optimizer"] == base["optimizer"]
+
+
+def test_ours_side_tiny_vllm(tmp_path):
+    """--generation vllm: ours with a colocated engine; the tiny model stops at EOS often, so the
+    lengths say whether the worker's min_tokens reached vLLM; weight sync and generation timed."""
+    res, stdout = run_bench(tmp_path, "ours", "--generation", "vllm", name="tiny-vllm")
+    assert res["generation"] == {"ours": "vllm", "trl": "vllm"}
+    (run,) = res["runs"]
+    assert run["returncode"] == 0 and len(run["steps"]) == 2
+    assert [r["completion_len"] for r in run["log"]] == [32.0, 32.0]  # forced to full length
+    phases = res["summary"]["ours"]["phase_s"]
+    assert phases["generation"] > 0 and phases["weight_sync"] > 0
+    assert "--use_vllm True --vllm_mode colocate" in stdout
 
 
 def test_model_forces_full_length_and_crc_reward(tmp_path):
