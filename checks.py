@@ -14,8 +14,8 @@ and the entry point that turns a known failure into one readable message and an 
         exit_process(entry_code(main))                   # never returns; see exit_process
 
 Exit codes of the training script (0: the run finished) (torchrun itself exits 1 when a child fails
-and prints each child's code in its summary; run.sh runs the pre-flight checks in one process first,
-so bad input gets exit 2 from run.sh and no torchrun summary):
+and prints each child's code in its summary; run.sh runs the pre-flight checks in one process, the
+ranks waiting for it, so bad input gets exit 2 from run.sh and no torchrun summary):
     2  bad input or configuration: nothing was trained
     3  training diverged: non-finite loss or gradients in `max_bad_steps` steps in a row
     4  out of memory: the message names the phase and the knob that lowers its peak
@@ -43,6 +43,7 @@ import logging
 import math
 import os
 import sys
+import time
 import traceback
 import types
 
@@ -112,9 +113,37 @@ def entry(main, argv=None):
         return EXIT_OOM
 
 
+def wait_for_preflight():
+    """run.sh starts torchrun beside the pre-flight process, so that the ranks import torch,
+    transformers and DeepSpeed while it checks the inputs. A rank begins (reads its arguments,
+    prints, writes) once the pre-flight has passed, which run.sh marks by creating the file
+    $PREFLIGHT_PASSED. After a failure run.sh kills torchrun, and its ranks end here unheard, so
+    bad input still ends with the pre-flight's one message; so they do if run.sh dies."""
+    marker = os.environ.get("PREFLIGHT_PASSED")
+    torchrun, run_sh = os.getppid(), os.environ.get("PREFLIGHT_PARENT")
+    while marker and not os.path.exists(marker):
+        if os.getppid() != torchrun or not running(int(run_sh)):
+            os._exit(1)
+        time.sleep(0.05)
+
+
+def running(pid):
+    """Whether process `pid` runs; one that ended but is not yet reaped (a zombie) does not."""
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether it exists
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except ProcessLookupError:
+        return False
+    except OSError:  # no /proc (not Linux): it exists
+        return True
+
+
 def entry_code(main, argv=None):
-    """entry(main, argv), and a code for what entry lets through: argparse's own exit (--help: 0, a
-    bad value: 2), a second Ctrl-C (130, one line), a bug (1, with its traceback)."""
+    """entry(main, argv), once the pre-flight beside it passed, and a code for what entry lets
+    through: argparse's own exit (--help: 0, a bad value: 2), a second Ctrl-C (130, one line), a
+    bug (1, with its traceback)."""
+    wait_for_preflight()
     try:
         return entry(main, argv)
     except SystemExit as e:

@@ -29,12 +29,12 @@
 #                The server gets the trainer's dtype (GPU) and --max-model-len prompt + completion
 #                from the pre-flight; VLLM_SERVER_ARGS: more `vllm serve` flags, after those (they win);
 #                VLLM_START_TIMEOUT: seconds to wait for it to answer (default 600)
-#   PREFLIGHT    0 skips the one-process check of every input before torchrun (default 1)
+#   PREFLIGHT    0 skips the one-process check of every input before any rank begins (default 1)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get, after SIGTERM or Ctrl-C, to finish their
 #                step and save a checkpoint before torchrun kills them (default here 300; torch's: 30)
 #
 # Exit codes: 0 the run finished; 2 bad input (from the pre-flight check or a taken MASTER_PORT,
-# nothing ran); 5 stopped by SIGTERM or Ctrl-C after finishing a step and saving its checkpoint
+# no rank began); 5 stopped by SIGTERM or Ctrl-C after finishing a step and saving its checkpoint
 # (continue with --resume True);
 # once torchrun runs, it exits 1 when a rank fails and its summary shows the rank's code: 2 bad input
 # (e.g. a reward function that raised), 3 training diverged (non-finite steps in a row), 4 out of
@@ -95,9 +95,9 @@ if [[ -n ${VLLM_DEVICES:-} ]]; then   # server mode's flags, known to the pre-fl
   args+=(--use_vllm True --vllm_mode server --vllm_server_url "$url")
 fi
 
-# One process first: --help, --estimate_memory, and the pre-flight check of every input (data, model,
-# tokenizer, rewards, DeepSpeed JSON vs arguments, resume), so bad input fails here with one message
-# and exit code 2, before torchrun starts any rank. PREFLIGHT=0 skips the check.
+# One process: --help, --estimate_memory, and the pre-flight check of every input (data, model,
+# tokenizer, rewards, DeepSpeed JSON vs arguments, resume), so bad input fails with one message and
+# exit code 2 before any rank begins. PREFLIGHT=0 skips the check.
 for a in "$@"; do
   if [[ $a == -h || $a == --help || $a == --estimate_memory ]]; then
     LOCAL_WORLD_SIZE=$NPROC WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) exec python "$ALGO.py" "${args[@]}" "$@"
@@ -120,8 +120,19 @@ port_taken() {
 if [[ -n ${MASTER_PORT:-} && ${NODE_RANK:-0} == 0 ]]; then
   port_free "$MASTER_PORT" || port_taken "$MASTER_PORT"
 fi
-if [[ ${PREFLIGHT:-1} != 0 ]]; then
-  LOCAL_WORLD_SIZE=$NPROC WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) python "$ALGO.py" "${args[@]}" "$@" --preflight True || exit $?
+# The pre-flight runs beside torchrun: the ranks import torch, transformers and DeepSpeed while it
+# checks, and begin once it passed (the file $beside exists: checks.wait_for_preflight); when it
+# fails, torchrun is killed before any rank began and run.sh exits with its code. Server mode runs
+# it first: the server starts from the model and the settings it writes.
+preflight() {
+  LOCAL_WORLD_SIZE=$NPROC WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) python "$ALGO.py" "${args[@]}" "$@" --preflight True
+}
+beside=""
+if [[ ${PREFLIGHT:-1} != 0 && -n ${VLLM_DEVICES:-} ]]; then
+  preflight "$@" || exit $?
+elif [[ ${PREFLIGHT:-1} != 0 ]]; then
+  beside=$(mktemp -u "${TMPDIR:-/tmp}/lean-rl-preflight.XXXXXX")
+  trap 'rm -f "$beside"' EXIT
 fi
 
 # Server mode: one vLLM server in a session of its own, started after the pre-flight (which builds the
@@ -186,7 +197,7 @@ elif [[ ${NODE_RANK:-0} == 0 ]]; then   # taken since the check above (a run sta
   port_free "${MASTER_PORT:-29500}" || port_taken "${MASTER_PORT:-29500}"
 fi
 set -x   # torchrun in a session of its own: a signal reaches it once, from the traps below
-setsid python -m torch.distributed.run --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
+PREFLIGHT_PASSED=$beside PREFLIGHT_PARENT=$$ setsid python -m torch.distributed.run --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
   --nproc_per_node "$NPROC" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \
   "$ALGO.py" "${args[@]}" "$@" &
 { set +x; } 2>/dev/null
@@ -194,6 +205,14 @@ pid=$! signal="" signal_at=0
 trap 'signal=TERM signal_at=$(date +%s); kill -TERM $pid 2>/dev/null' TERM
 trap 'signal=INT signal_at=$(date +%s); kill -INT $pid 2>/dev/null' INT
 set +e
+if [[ -n $beside ]]; then
+  preflight "$@"; rc=$?
+  if [[ $rc != 0 ]]; then   # the ranks are still waiting: they end with torchrun
+    kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+    exit $rc
+  fi
+  touch "$beside"
+fi
 wait $pid; rc=$?
 while kill -0 $pid 2>/dev/null; do wait $pid; rc=$?; done   # a trap cuts `wait` short: wait again
 latest=$run_dir/checkpoints/latest

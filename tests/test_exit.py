@@ -3,8 +3,10 @@ checks.exit_process ends the process with it, output flushed, without the interp
 (Whole runs that finish exit 0: every e2e test; bench/shutdown_stress.py repeats them under load.)
 """
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -68,3 +70,36 @@ def test_exit_process_flushes_and_skips_teardown(tmp_path):
     # (importing checks imports DeepSpeed, which may print its accelerator line first)
     assert proc.stdout.endswith("unflushed stdout") and proc.stderr.endswith("unflushed stderr")
     assert "teardown ran" not in proc.stdout
+
+
+def test_a_rank_begins_once_the_preflight_passed_and_ends_with_run_sh(tmp_path):
+    """checks.wait_for_preflight, as a rank started beside run.sh's pre-flight runs it: nothing
+    begins until $PREFLIGHT_PASSED exists; a rank whose run.sh ($PREFLIGHT_PARENT) is gone ends
+    with exit 1 and says nothing (run.sh gave the pre-flight's message)."""
+    code = "import checks; checks.wait_for_preflight(); print('began')"
+    marker = tmp_path / "passed"
+
+    def rank(parent):
+        env = {"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin", "PREFLIGHT_PASSED": str(marker)}
+        return subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env={**env, "PREFLIGHT_PARENT": str(parent)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    waiting = rank(os.getpid())
+    with pytest.raises(subprocess.TimeoutExpired):  # imports, then waits for the marker
+        waiting.communicate(timeout=20)
+    marker.touch()
+    out = waiting.communicate(timeout=60)[0]  # (after DeepSpeed's accelerator line on CPU)
+    assert out.endswith("began\n") and waiting.returncode == 0, out
+
+    marker.unlink()
+    ended = subprocess.Popen(["true"])  # not reaped until wait(): a zombie, as run.sh is while
+    time.sleep(1)  # its caller reads the output the ranks still hold open
+    orphan = rank(ended.pid)
+    out = orphan.communicate(timeout=120)[0]
+    assert "began" not in out and orphan.returncode == 1, out
+    ended.wait()

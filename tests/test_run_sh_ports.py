@@ -1,11 +1,13 @@
 """Two runs on one machine (issue 37): without MASTER_PORT, run.sh picks a free rendezvous port for
 a one-node run, so a second `bash run.sh` beside a first one does not die on torch's default
 29500 with torchrun's raw EADDRINUSE traceback; a MASTER_PORT that is taken anyway stops it with
-one message and exit 2, before the pre-flight."""
+one message and exit 2, before the pre-flight. Bad input found by the pre-flight, which runs beside
+torchrun's start, leaves no rank behind."""
 
 import os
 import socket
 import subprocess
+import time
 
 from checks import EXIT_CONFIG
 from conftest import ROOT, train_rows
@@ -54,3 +56,30 @@ def test_a_taken_master_port_exits_2_with_one_message(tmp_path):
         "unset MASTER_PORT to let run.sh pick a free port (one node), or set another"
     ], out
     assert not (tmp_path / "run").exists()
+
+
+def test_bad_input_stops_the_ranks_started_beside_the_preflight(tmp_path):
+    """torchrun starts beside the pre-flight; on bad input its ranks, still waiting for it
+    (checks.wait_for_preflight), are stopped: exit 2, the pre-flight's one message, no torchrun
+    summary, no run directory, and no rank left behind."""
+    run_dir = tmp_path / "run"
+    proc = run_sh(run_dir, "--max_steps", "1", "--loss_type", "sum")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_CONFIG, out
+    errors = [ln for ln in out.splitlines() if "error" in ln.lower()]
+    assert errors == ["error: --loss_type sum: must be one of grpo, bnpo, dr_grpo, cispo"], out
+    assert "Traceback" not in out and not run_dir.exists(), out
+    for _ in range(100):  # the ranks notice within a moment that run.sh has ended
+        left = [p for p in os.listdir("/proc") if p.isdigit() and str(run_dir) in cmdline(p)]
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, [cmdline(p) for p in left]
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # ended meanwhile
+        return ""
