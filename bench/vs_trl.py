@@ -37,15 +37,16 @@ The same work on both sides:
 "external_launcher", as on each rank of a real run); TRL with use_vllm=True, vllm_mode="colocate"
 (the same kind of engine). Both engines: the model's dtype (fp32), max_model_len = 512 + C (ours:
 --max_prompt_length 512 + C; TRL: vllm_max_model_length), the same VLLM_CPU_KVCACHE_SPACE (run.sh's
-CPU default, 1 GB, unless set), vLLM's defaults otherwise (not eager on either side); the same
-sampling (temperature 1, top_p 1, top_k 0) and C forced as SamplingParams(min_tokens=C): TRL takes
-it through generation_kwargs, ours has no such option, so ours' worker adds min_tokens=C to the
-SamplingParams grpo.py builds. No importance correction on either side (ours' default; TRL's
-vllm_importance_sampling_correction=False), so neither adds an old-log-prob pass. On vLLM's CPU
-build 0.32, TRL 1.16 runs neither colocated nor as a server (docs/benchmarks.md, "with vLLM":
-its weight sync calls model.load_weights, which the CPU backend's repacked linear weights refuse;
-its server client refuses a non-CUDA device), so on CPU --trl_generation hf compares ours with
-vLLM to TRL at its best generation that runs here.
+CPU default, 1 GB, unless set) and, on a GPU, gpu_memory_utilization 0.3 (both sides' default),
+vLLM's defaults otherwise (not eager on either side); the same sampling (temperature 1, top_p 1,
+top_k 0) and C forced as SamplingParams(min_tokens=C): TRL takes it through generation_kwargs;
+grpo.py has no such option, so ours' worker sets min_tokens=C on the SamplingParams that
+VLLMGenerator.generate passes to LLM.generate. No importance correction on either side (ours'
+default; TRL's vllm_importance_sampling_correction=False), so neither adds an old-log-prob pass.
+On vLLM's CPU build 0.32, TRL 1.16 runs neither colocated nor as a server (docs/benchmarks.md,
+"With vLLM": its weight sync calls model.load_weights, which the CPU backend's repacked linear
+weights refuse; its server client refuses a non-CUDA device), so on CPU --trl_generation hf
+compares ours with vLLM to TRL at its best generation that runs here.
 
 Ours: grpo.py's own main(), unchanged, in one process (RANK 0 / WORLD_SIZE 1, as torchrun would
 set them), with a DeepSpeed JSON written here from configs/zero2.json with the stage of --zero
@@ -460,7 +461,7 @@ def ours_worker(spec, result):
         llm_generate, C = LLM.generate, spec["cfg"]["completion"]
 
         def forced_length(self, prompts, params, *a, **k):
-            # grpo.py has no min-length option: the SamplingParams it builds get TRL's min_tokens
+            # grpo.py has no min-length option: VLLMGenerator's SamplingParams get TRL's min_tokens
             for p in params:
                 p.min_tokens = C
             return llm_generate(self, prompts, params, *a, **k)
@@ -948,7 +949,8 @@ def main():
 
     name = a.config + ("-gc" if a.gradient_checkpointing else "")
     if "vllm" in gens.values():
-        name += "-vllm" if trl_generation == a.generation else f"-vllm-trl{trl_generation}"
+        same = trl_generation == a.generation  # e.g. -vllm, or -vllm-trlhf
+        name += f"-{a.generation}" + ("" if same else f"-trl{trl_generation}")
     work = os.path.join(a.out, name)
     os.makedirs(work, exist_ok=True)
     model_dir, params = build_model(a.config, cfg, os.path.join(a.out, "models", a.config))
