@@ -1,4 +1,4 @@
-"""fit.py: the pre-flight under --memory_budget_gb (against memory.estimate_memory on the Qwen2.5
+"""fit.py: the pre-flight under --memory_budget_gb (against estimate.estimate_memory on the Qwen2.5
 presets' shapes, no weights) and KnobAdapter's rule between steps (one process, no group: the
 peaks are this rank's). The 2-rank runs are tests/test_fit_e2e.py."""
 
@@ -8,8 +8,9 @@ import fit
 import grpo
 import ppo
 from checks import RunError
+from estimate import estimate_memory
 from fit import HIGH_WATER, LOW_WATER, MIN_TILE, KnobAdapter, Knobs, estimate_kwargs, fit_to_budget
-from memory import GB, estimate_memory
+from memory import GB
 
 QWEN = ["--model", "qwen2.5-1.5b", "--dtype", "bf16", "--max_completion_length", "512"]
 QWEN += ["--prompts_per_rank", "4", "--beta", "0.04"]

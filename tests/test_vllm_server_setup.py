@@ -143,7 +143,7 @@ def test_nccl_transfer_is_unpacked_unless_asked(monkeypatch):
     """vLLM's NCCL trainer init defaults to packed 1 GiB buffers x 2 (about 3 GiB more on rank 0
     while it syncs); ours is unpacked unless packed_bytes is given, and the memory estimate's
     weight_sync counts the packed buffers when they are."""
-    from memory import estimate_memory
+    from estimate import estimate_memory
     from tiny_models import llama_config
 
     seen = capture_trainer_init(monkeypatch)
