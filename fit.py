@@ -30,7 +30,7 @@ not the sum (docs/accumulation.md). The generation batch size and
 vllm_batch_size are chosen in the pre-flight only: generate_hf and vLLM draw each call's samples
 from one random stream, so splitting the same prompts into other calls samples other completions.
 This file imports checks, logprobs, memory, tasks, tiny_models and zero3_utils (it is the one that
-needs the run's arguments; memory.py stays a pure estimate that checks.py imports).
+needs the run's arguments; estimate.py stays a pure estimate).
 """
 
 import os
@@ -40,9 +40,7 @@ import torch
 import torch.distributed as dist
 
 from checks import RunError, check_model_path, read_ds_json, training_dtype
-from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
-from memory import (
-    GB,
+from estimate import (
     PRESETS,
     estimate_memory,
     format_table,
@@ -50,6 +48,8 @@ from memory import (
     model_shape,
     print_estimate,
 )
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
+from memory import GB
 from tasks import TASK_CHARS
 from tiny_models import llama_config
 from zero3_utils import all_max, all_reduce_
@@ -156,7 +156,7 @@ def _config_for(path, flag):
 
 
 def estimate_kwargs(args, world, models, knobs=None, gpu_gb=0.0):
-    """memory.estimate_memory's keyword arguments for these args, the knobs in effect (default: as
+    """estimate.estimate_memory's keyword arguments for these args, the knobs in effect (default: as
     given) and the loop's `models` (no weights loaded); gpu_gb > 0: on a GPU of that size (bf16
     unless --dtype fp32; fused Adam unless the config asks for torch's), whatever this machine
     has."""
@@ -218,7 +218,7 @@ def estimate_kwargs(args, world, models, knobs=None, gpu_gb=0.0):
 
 
 def estimate_run_memory(args, models):
-    """--estimate_memory: memory.py's predicted peak per phase and per GPU for these args; with
+    """--estimate_memory: estimate.py's predicted peak per phase and per GPU for these args; with
     --gpu_gb, the knobs the fitter picks on a GPU of that size (fit_for_gpu) and their estimate."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     if args.gpu_gb:

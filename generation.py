@@ -25,8 +25,8 @@ Public API
     sampler_logp_gap(trainer_logps, gens) -> {sampling/sampling_logp_difference/mean, .../max}
         |trainer - sampler| log-prob over every rank's completion tokens (collective)
     attn_implementation_for(model_path, requested)   "eager" under an attention soft-cap
-    cpu_scheduler_kwargs(max_model_len, tp) / gpu_scheduler_kwargs(max_model_len, max_num_seqs)
-        vLLM's scheduler settings for this run: whole-prompt prefill on CPU; on GPU the
+    cpu_engine_kwargs(max_model_len, tp) / gpu_scheduler_kwargs(max_model_len, max_num_seqs)
+        vLLM's settings for this run: whole-prompt prefill and eager on CPU; on GPU the
         sequences and token budget sized from the run, not vLLM's defaults for a large GPU
     Generations: completion_ids (N*G, C) long, pad after EOS; completion_mask (N*G, C) long, 1 up to
         and including EOS; logprobs (N*G, C) float or None. Row i*G + g is prompt i's g-th sample.
@@ -271,18 +271,22 @@ def _vllm_sleep_supported():
     return current_platform.is_sleep_mode_available()
 
 
-def cpu_scheduler_kwargs(max_model_len, tensor_parallel_size=1):
-    """vLLM's scheduler settings on CPU: no chunked prefill. Every request here carries a seed,
-    and a seeded request whose prompt is prefilled in chunks makes vLLM rewind its generator
+def cpu_engine_kwargs(max_model_len, tensor_parallel_size=1):
+    """vLLM's engine settings on CPU: no chunked prefill, and eager. Every request here carries a
+    seed, and a seeded request whose prompt is prefilled in chunks makes vLLM rewind its generator
     after each partial chunk, which a CPU generator cannot (vLLM 0.32: "CPU Generator does not
     use offset", the engine dies): seen with 100 GSM8K prompts per call. Whole prompts only, as
     vLLM itself sets for MLA models on CPU; the token budget must then hold the longest one.
-    On GPU nothing changes (CUDA generators rewind)."""
+    Eager: on CPU, torch.compile adds ~45 s to every engine start (its cache warm) and saves a few
+    per cent per generate call (bench/vllm_compile.py), so a run gains from it only after hundreds
+    of calls; the vLLM server starts eager on CPU too (run.sh). On GPU nothing changes (CUDA
+    generators rewind; compiled graphs pay there)."""
     if torch.cuda.is_available() or not max_model_len:
         return {}
     return dict(
         enable_chunked_prefill=False,
         max_num_batched_tokens=max(4096 * tensor_parallel_size, max_model_len),
+        enforce_eager=True,
     )
 
 
@@ -340,7 +344,7 @@ class VLLMGenerator:
                     self.tp_group = group
         self.sleep_supported = _vllm_sleep_supported()
         allocated = torch.cuda.memory_allocated() if self.sleep_supported else 0
-        llm_kwargs = {**cpu_scheduler_kwargs(max_model_len, self.tp), **llm_kwargs}
+        llm_kwargs = {**cpu_engine_kwargs(max_model_len, self.tp), **llm_kwargs}
         self.llm = LLM(
             model=model_path,
             tensor_parallel_size=self.tp,

@@ -334,7 +334,7 @@ def server_argv(model, port, host="127.0.0.1", tensor_parallel_size=1, extra=())
     argv += vllm_transfer.server_flags()
     argv += ["--logprobs-mode", "processed_logprobs"]
     if not torch.cuda.is_available() and not any("chunked-prefill" in a for a in extra):
-        # generation.cpu_scheduler_kwargs: seeded requests prefilled in chunks kill vLLM's CPU
+        # generation.cpu_engine_kwargs: seeded requests prefilled in chunks kill vLLM's CPU
         # engine; without chunking vLLM sizes its token budget to hold the longest prompt
         argv += ["--no-enable-chunked-prefill"]
     return argv + list(extra)

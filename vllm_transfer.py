@@ -229,7 +229,7 @@ def packing(packed_bytes):
     """NCCLTrainerInitInfo's wire parameters (the trainer hands them to the workers). vLLM's own
     default is packed, 2 buffers of 1 GiB: its producer keeps views of the gathered ZeRO-3 tensors
     until it concatenates them, with the previous buffer still in flight, so rank 0 holds about
-    3 x the buffer beside a gathered group (memory.estimate_memory's weight_sync). 0 (ours):
+    3 x the buffer beside a gathered group (estimate.estimate_memory's weight_sync). 0 (ours):
     unpacked, one broadcast per parameter straight from the gathered group, nothing more."""
     if packed_bytes <= 0:
         return dict(packed=False)

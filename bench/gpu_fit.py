@@ -1,5 +1,5 @@
 """Will it fit on my GPU? On paper: what `--estimate_memory True --gpu_gb N` prints
-(fit.fit_for_gpu), for GRPO at the Qwen2.5 0.5B / 1.5B / 7B shapes (memory.PRESETS: the sizes
+(fit.fit_for_gpu), for GRPO at the Qwen2.5 0.5B / 1.5B / 7B shapes (estimate.PRESETS: the sizes
 of their published config.json, no download), full fine-tune and LoRA, on one GPU of 24, 48 or
 80 GB. Every figure is the estimate's; none was measured on a GPU.
 
@@ -23,7 +23,8 @@ os.chdir(ROOT)
 import fit  # noqa: E402
 import grpo  # noqa: E402
 from checks import RunError  # noqa: E402
-from memory import GB, estimate_memory  # noqa: E402
+from estimate import estimate_memory  # noqa: E402
+from memory import GB  # noqa: E402
 
 SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b")
 GPUS = (24, 48, 80)

@@ -1,4 +1,4 @@
-"""Estimate vs measurement on CPU: memory.estimate_memory against memory.MemoryLedger for a plain
+"""Estimate vs measurement on CPU: estimate.estimate_memory against memory.MemoryLedger for a plain
 fp32 forward/backward + AdamW step (ZeRO stage 0, one process), per phase, for the tiny default
 config and a ~100M Llama, with and without gradient checkpointing.
 
@@ -87,7 +87,7 @@ def child(spec):
 
 
 def main():
-    from memory import estimate_memory
+    from estimate import estimate_memory
 
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
     rows = [

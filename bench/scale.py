@@ -1,9 +1,9 @@
 """The one-GPU scale run: 3 GRPO steps of grpo.py itself at the Qwen2.5 0.5B / 1.5B / 3B / 7B shapes
-(random weights from memory.PRESETS: no download), bf16, ZeRO-3 with the optimizer offloaded to CPU,
-gradient checkpointing, HF generation, 8 generations x 1024 completion tokens; fused log-probs
+(random weights from estimate.PRESETS: no download), bf16, ZeRO-3 with the optimizer offloaded to
+CPU, gradient checkpointing, HF generation, 8 generations x 1024 completion tokens; fused log-probs
 (logprobs.py) and, for contrast, naive ones (full (B, C, V) logits + log_softmax,
 bench/naive_grpo.py). Each run's ledger peaks per phase (metrics.jsonl `mem/<phase>`) go beside
-memory.py's estimate.
+estimate.py's prediction.
 
     python bench/scale.py --shapes qwen2.5-7b --impls fused     # one config per call (10 min)
     python bench/scale.py --shapes qwen2.5-7b --impls naive
@@ -53,7 +53,7 @@ def build_model(shape, dtype, out):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from memory import PRESETS
+    from estimate import PRESETS
     from tasks import TASK_CHARS
     from tiny_models import build_tokenizer
 
@@ -138,10 +138,11 @@ def grpo_args(args, model, ds, run_dir):
 
 
 def estimate(shape, args, cfg, impl):
-    """memory.py's predicted GB per phase for the same run."""
+    """estimate.py's predicted GB per phase for the same run."""
     import torch
 
-    from memory import GB, PRESETS, estimate_memory
+    from estimate import PRESETS, estimate_memory
+    from memory import GB
 
     cuda = torch.cuda.is_available()
     est = estimate_memory(

@@ -61,10 +61,10 @@ def main(model_dir, out_dir):
     path = os.path.join(out_dir, "saved")
     save_hf(engine, tok, path)
 
-    gen = VLLMGenerator(
-        path, vllm_batch_size=3, max_model_len=128, dtype="float32", enforce_eager=True
-    )
+    gen = VLLMGenerator(path, vllm_batch_size=3, max_model_len=128, dtype="float32")
     ok("vLLM loads the save_hf checkpoint")
+    # on CPU eager by default (generation.cpu_engine_kwargs): no torch.compile at start-up
+    assert gen.llm.llm_engine.vllm_config.model_config.enforce_eager
 
     def hf_greedy():
         with unwrap_for_generation(engine, gather=True) as m:
@@ -129,7 +129,7 @@ def main(model_dir, out_dir):
 
     # more prompt tokens in one call (40 x 120) than one scheduler step takes (4096): seeded
     # requests whose prompts vLLM prefilled in chunks killed the CPU engine; whole prompts only
-    # (generation.cpu_scheduler_kwargs)
+    # (generation.cpu_engine_kwargs)
     long = [(p * 120)[:120] for p in prompts] * 4
     drawn = gen.generate(long, max_new_tokens=4, temperature=1.0)
     assert drawn.completion_ids.shape[0] == len(long)

@@ -522,7 +522,7 @@ def test_bad_input_fails_with_a_message_that_says_what_to_change(tmp_path):
 
 
 def test_estimate_memory_flag_prints_the_estimate_and_exits(capsys, monkeypatch):
-    """--estimate_memory: memory.py's table for the run's args (no process group, no weights)."""
+    """--estimate_memory: estimate.py's table for the run's args (no process group, no weights)."""
     from conftest import ROOT
     from grpo import main
     from memory import GB

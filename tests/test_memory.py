@@ -1,20 +1,13 @@
-"""memory.py: the ledger sees real allocations on CPU; the estimate's arithmetic by hand and vs real
-models."""
+"""memory.py and estimate.py: the ledger sees real allocations on CPU; the estimate's arithmetic
+by hand and vs real models."""
 
 import os
 
 import pytest
 import torch
 
-from memory import (
-    GB,
-    PRESETS,
-    MemoryLedger,
-    estimate_memory,
-    knobs_to_fit,
-    lora_params,
-    model_shape,
-)
+from estimate import PRESETS, estimate_memory, knobs_to_fit, lora_params, model_shape
+from memory import GB, MemoryLedger
 
 MB = 2**20
 # small Llama-style shape: per layer q,k,v 64*3*64 + o 64*64 + MLP 3*64*128 + norms 2*64 = 41088
@@ -209,7 +202,7 @@ def test_knobs_bring_7b_under_80gb():
 
 
 def test_cli_prints_table_and_knobs(capsys):
-    from memory import main
+    from estimate import main
 
     main(["--model", "qwen2.5-7b", "--world_size", "1", "--zero_stage", "3", "--device_gb", "80"])
     out = capsys.readouterr().out

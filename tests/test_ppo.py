@@ -249,7 +249,7 @@ def test_estimate_memory_flag_counts_critic_and_reward_model(capsys, monkeypatch
     import json
 
     from conftest import ROOT
-    from memory import PRESETS, estimate_memory, model_shape
+    from estimate import PRESETS, estimate_memory, model_shape
     from ppo import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -143,7 +143,7 @@ def test_nccl_transfer_is_unpacked_unless_asked(monkeypatch):
     """vLLM's NCCL trainer init defaults to packed 1 GiB buffers x 2 (about 3 GiB more on rank 0
     while it syncs); ours is unpacked unless packed_bytes is given, and the memory estimate's
     weight_sync counts the packed buffers when they are."""
-    from memory import estimate_memory
+    from estimate import estimate_memory
     from tiny_models import llama_config
 
     seen = capture_trainer_init(monkeypatch)
@@ -205,27 +205,26 @@ def test_explicit_bf16_on_a_gpu_without_it_is_refused(monkeypatch):
 def test_colocated_engine_sized_from_the_run(monkeypatch):
     """On GPU the colocated engine gets max_num_seqs = the sequences one call brings (tensor-
     parallel ranks x prompts x generations) and a token budget of their lengths, at most 4,096,
-    not vLLM's defaults for a large GPU (1,024 sequences, 16,384 tokens); on CPU nothing."""
-    from generation import gpu_scheduler_kwargs
+    not vLLM's defaults for a large GPU (1,024 sequences, 16,384 tokens), and compiles; on CPU
+    whole-prompt prefill, and eager (compiling adds ~45 s to a start: bench/vllm_compile.py)."""
+    import grpo
+    from generation import cpu_engine_kwargs, gpu_scheduler_kwargs
 
     made = []
     monkeypatch.setattr(vllm_server, "VLLMGenerator", lambda *a, **kw: made.append(kw))
-    args = SimpleNamespace(
-        vllm_mode="colocate",
-        vllm_tensor_parallel_size=2,
-        vllm_gpu_memory_utilization=0.3,
-        vllm_batch_size=0,
-        prompts_per_rank=4,
-        num_generations=8,
-        seed=0,
-        run_dir="",
+    args = grpo.parse_args(
+        ["--use_vllm", "True", "--vllm_tensor_parallel_size", "2", "--prompts_per_rank", "4"]
+        + ["--num_generations", "8"]
     )
     vllm_server.vllm_generator(args, "m", torch.float32, 320, 0)
-    assert "max_num_seqs" not in made[-1]  # this machine: CPU
+    assert "max_num_seqs" not in made[-1]  # this machine: CPU (VLLMGenerator adds these)
+    assert cpu_engine_kwargs(320) == dict(
+        enable_chunked_prefill=False, max_num_batched_tokens=4096, enforce_eager=True
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     vllm_server.vllm_generator(args, "m", torch.bfloat16, 320, 0)
     assert made[-1]["max_num_seqs"] == 64 and made[-1]["max_num_batched_tokens"] == 4096
-    assert made[-1]["dtype"] == "bfloat16"
+    assert made[-1]["dtype"] == "bfloat16" and cpu_engine_kwargs(320) == {}
     assert gpu_scheduler_kwargs(64, 4) == dict(max_num_seqs=4, max_num_batched_tokens=256)
     assert gpu_scheduler_kwargs(8, 5000) == dict(max_num_seqs=1024, max_num_batched_tokens=4096)
 

@@ -1,0 +1,506 @@
+"""Memory as predicted: each phase's peak bytes per GPU from a model config, before anything
+runs (the pre-flight's verdict, fit.py's knobs, --estimate_memory); memory.py measures them.
+
+    from estimate import estimate_memory
+    est = estimate_memory("qwen2.5-7b", world_size=1, zero_stage=3, offload_optimizer=True, ...)
+    est["phases"]["update"]                # predicted peak bytes per GPU in the update phase
+    python estimate.py --model qwen2.5-7b --zero_stage 3 --offload_optimizer --device_gb 80
+
+Estimated (bytes per GPU; letters: N parameters, W world size, b bytes per model element (2 bf16,
+4 fp32), L layers, H hidden, I MLP width, V vocabulary, h/k query/key-value heads of width d,
+S tokens per sequence (prompt + completion), C completion tokens, m micro-batch in sequences):
+- every phase holds the resident states: parameters N*b (/W under ZeRO-3; 0 with parameter
+  offload), gradients N*b (/W under ZeRO-2/3; one reduce bucket H*H*b with optimizer offload),
+  Adam states 12N (fp32 master + 2 moments, mixed precision) or 8N (fp32 training) (/W under
+  ZeRO-1/2/3; 0 with optimizer offload), a frozen reference model N*b/W, a vLLM share;
+- ZeRO-3 gathers up to `zero3_live_params` (DeepSpeed's stage3_max_live_parameters, 1e9) at once;
+- activations per token per layer (Llama/Qwen decoder, SDPA/flash attention, no dropout):
+  A = 2(4 + b)H [two RMSNorms: fp32 input + normed output] + b(2h + 2k)d [q, k after RoPE, v,
+  attention output] + 4h [logsumexp] + 4bI [gate, up, silu(gate), product]. Without
+  checkpointing (L + 1) A m S (the +1: one layer's gradients in flight); with checkpointing
+  L b H m S (layer inputs) + A m S (one layer recomputed at a time);
+- fused log-probs: a tile (c tokens x v vocab) fp32 and its exp (x2 forward); backward adds the
+  (V, H) fp32 weight gradient, an fp32 (mC, H) hidden gradient and a (v, H) fp32 weight slice.
+  Naive log-probs: (mC, V) logits in b + fp32 copy + log_softmax (x2 with gradients);
+- optimizer step: + the fp32 gradient partition 4N/W (mixed precision) + torch Adam's two fp32
+  temporaries of the tensor it steps (one parameter, or the flat ZeRO partition); fused Adam: none;
+- HF generation: KV cache 2 L k d b per token of every sequence in flight, plus (sequences, V)
+  fp32 logits x3 (logits, probabilities, top-p sort); vLLM: gpu_memory_utilization x device
+  (on CPU, vllm_bytes: its KV cache space, its own copy of the weights and its runtime).
+The largest phase is the pre-flight verdict; `knobs_to_fit` lists the changes that get under it.
+"""
+
+import json
+import os
+
+from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
+from memory import GB
+
+# ---- Model shapes -----------------------------------------------------------------------------
+_QWEN = dict(
+    model_type="qwen2", vocab_size=151936, max_position_embeddings=32768, hidden_act="silu"
+)
+PRESETS = {  # Qwen2.5 base configs' shapes (config.json on the hub), so no download is needed
+    "qwen2.5-0.5b": dict(
+        _QWEN,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        _QWEN,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-3b": dict(
+        _QWEN,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        _QWEN,
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def model_shape(config):
+    """A preset name, a config.json path or its directory, a transformers config, or a dict ->
+    dict of the sizes the estimate needs (no weights are loaded)."""
+    if isinstance(config, str):
+        if config.lower() in PRESETS:
+            config = PRESETS[config.lower()]
+        elif os.path.exists(config):
+            with open(
+                os.path.join(config, "config.json") if os.path.isdir(config) else config
+            ) as f:
+                config = json.load(f)
+        else:
+            raise ValueError(
+                f"model {config!r}: not a file or directory, and not one of the presets "
+                f"{list(PRESETS)}"
+            )
+    c = config if isinstance(config, dict) else config.to_dict()
+    c = c.get("text_config", c)  # multimodal wrappers keep the LM's sizes here
+    missing = [
+        k
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+        )
+        if k not in c
+    ]
+    if missing:
+        raise ValueError(
+            f"model config lacks {missing}: the estimate knows decoder-only Llama/Qwen-style "
+            "configs"
+        )
+    h, H = c["num_attention_heads"], c["hidden_size"]
+    s = dict(
+        V=c["vocab_size"],
+        H=H,
+        L=c["num_hidden_layers"],
+        I=c["intermediate_size"],
+        h=h,
+        k=c.get("num_key_value_heads") or h,
+        d=c.get("head_dim") or H // h,
+        tied=bool(c.get("tie_word_embeddings", False)),
+    )
+    bias = c.get("attention_bias", c.get("model_type") == "qwen2")  # Qwen2 has q/k/v biases
+    qkv = (s["h"] + 2 * s["k"]) * s["d"]
+    s["layer_params"] = (
+        H * qkv + (qkv if bias else 0) + s["h"] * s["d"] * H + 3 * H * s["I"] + 2 * H
+    )
+    s["embed_params"] = s["V"] * H
+    s["N"] = s["L"] * s["layer_params"] + s["embed_params"] * (1 if s["tied"] else 2) + H
+    return s
+
+
+# ---- The estimate -----------------------------------------------------------------------------
+def lora_params(model_config, r, target_modules="all-linear"):
+    """The parameters LoRA adds and trains: r x (in + out) per targeted linear layer of each
+    decoder layer ("all-linear": every one but the lm_head, as peft; else comma-separated names)."""
+    s = model_shape(model_config)
+    H, I, q, kv = s["H"], s["I"], s["h"] * s["d"], s["k"] * s["d"]
+    shapes = {"q_proj": H + q, "k_proj": H + kv, "v_proj": H + kv, "o_proj": q + H}
+    shapes.update(gate_proj=H + I, up_proj=H + I, down_proj=I + H)
+    names = list(shapes) if target_modules == "all-linear" else target_modules.split(",")
+    return s["L"] * r * sum(shapes.get(n.strip(), 0) for n in names)
+
+
+def estimate_memory(
+    model_config,
+    *,
+    world_size=1,
+    zero_stage=3,
+    offload_optimizer=False,
+    offload_params=False,
+    dtype="bf16",
+    gradient_checkpointing=False,
+    micro_batch_size=8,
+    seq_len=1536,
+    completion_len=1024,
+    num_generations=8,
+    prompts_per_rank=1,
+    logprob_chunk=(DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE),
+    fused_logprobs=True,
+    use_vllm=False,
+    gpu_memory_utilization=0.3,
+    device_gb=80.0,
+    vllm_bytes=None,
+    vllm_sleep=False,
+    gather_for_generation=True,
+    generation_batch_size=256,
+    reference_model=False,
+    ref_offload=False,
+    zero3_live_params=1e9,
+    fused_adam=False,
+    generation_resident_bytes=0,
+    critic_config=None,
+    reward_config=None,
+    phase_groups=None,
+    vllm_server=False,
+    packed_bytes=0,
+    trainable_params=None,
+):
+    """Predicted peak bytes per GPU for each phase of the loop, and the pieces they are made of.
+
+    seq_len S: prompt + completion tokens per sequence (padded length); completion_len C;
+    micro_batch_size m in sequences; logprob_chunk (tokens, vocab entries) of fused_logps' tile.
+    generation_resident_bytes: ZeRO-3 sharded generation's middle mode (layers kept gathered).
+    critic_config: a trained critic (its body: the config's model without the lm_head; params,
+    grads and Adam states like the policy's); reward_config: a frozen reward model (sharded like
+    the reference under ZeRO-3, on CPU with ref_offload = --frozen_offload; resident otherwise).
+    phase_groups {phase: (estimate phases...)}: a loop whose ledger names its phases otherwise
+    (ppo.py: one "logprobs" phase for old, reference, values and rewards; the optimizer steps
+    inside "update") gets each of its phases as the largest of its group.
+    vllm_server: a vLLM server (--vllm_mode server) takes the weights (its weight_sync phase: the
+    gathered group, and with packed_bytes > 0 the NCCL transfer's packed buffers,
+    vllm_transfer.packing).
+    trainable_params: the parameters that train (LoRA's adapters, lora_params; default all N):
+    gradients, Adam states and their fp32 partitions scale with them, the weights with N.
+    Returns {"phases": {phase: bytes}, "pieces": {piece: bytes}, "cpu": offloaded bytes per rank,
+    "highest": phase, "params": N}.
+    """
+    s = model_shape(model_config)
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}: bf16, fp16 or fp32")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage}: 0, 1, 2 or 3")
+    if offload_params and zero_stage != 3:
+        raise ValueError(
+            "offload_params needs zero_stage 3 (DeepSpeed offloads parameters only under ZeRO-3)"
+        )
+    if offload_optimizer and zero_stage < 1:
+        raise ValueError("offload_optimizer needs zero_stage >= 1")
+    N, V, H, L, I, W = s["N"], s["V"], s["H"], s["L"], s["I"], world_size
+    T = N if trainable_params is None else trainable_params  # trained: gradients, Adam states
+    b = 4 if dtype == "fp32" else 2
+    mixed = b == 2
+    p, tc, tv = {}, logprob_chunk[0], logprob_chunk[1]
+    # resident states, every phase
+    p["params"] = 0 if offload_params else N * b // (W if zero_stage == 3 else 1)
+    bucket = H * H * b  # reduce_bucket_size "auto" = H^2 elements (zero3_utils.load_ds_config)
+    p["grads"] = bucket if offload_optimizer else T * b // (W if zero_stage >= 2 else 1)
+    opt = (12 if mixed else 8) * T // (W if zero_stage >= 1 else 1)
+    p["optimizer"] = 0 if offload_optimizer else opt
+    # frozen models: sharded under ZeRO-3, resident otherwise (harness.Run.frozen)
+    frozen_n = N if reference_model and not ref_offload else 0
+    p["reference"] = frozen_n * b // (W if zero_stage == 3 else 1)
+    critic_n = 0
+    if critic_config is not None:  # the body without the lm_head, plus a (H, 1) value head
+        c = model_shape(critic_config)
+        critic_n = c["N"] - (0 if c["tied"] else c["embed_params"]) + c["H"]
+    p["critic"] = (
+        critic_n * b // (W if zero_stage == 3 else 1)
+        + critic_n * b // (W if zero_stage >= 2 else 1)
+        + (0 if offload_optimizer else (12 if mixed else 8) * critic_n // (W if zero_stage else 1))
+    )
+    reward_n = model_shape(reward_config)["N"] if reward_config is not None else 0
+    p["reward_model"] = 0 if ref_offload else reward_n * b // (W if zero_stage == 3 else 1)
+    # vllm_bytes: what the engine holds when it is not a share of a GPU (CPU: fit.py says)
+    vllm_share = int(gpu_memory_utilization * device_gb * GB) if vllm_bytes is None else vllm_bytes
+    vllm_share = vllm_share if use_vllm else 0
+    # working sets
+    largest = max(s["layer_params"], s["embed_params"])
+    p["zero3_live"] = int(min(N, max(zero3_live_params, largest)) * b) if zero_stage == 3 else 0
+    # bytes/token/layer
+    A = 2 * (4 + b) * H + b * (2 * s["h"] + 2 * s["k"]) * s["d"] + 4 * s["h"] + 4 * b * I
+    tok, ctok = micro_batch_size * seq_len, micro_batch_size * completion_len
+    p["activations_full"] = (L + 1) * A * tok
+    p["activations_ckpt"] = L * b * H * tok + A * tok
+    p["activations"] = p["activations_ckpt"] if gradient_checkpointing else p["activations_full"]
+    p["inference_layer"] = A * tok  # no-grad forward: about one layer's temporaries at a time
+    if fused_logprobs:
+        p["logprob_fwd"] = 2 * min(tc, ctok) * min(tv, V) * 4
+        p["logprob_update"] = p["logprob_fwd"] + 4 * V * H + 4 * ctok * H + 4 * min(tv, V) * H
+    else:
+        p["logprob_fwd"] = ctok * V * (b + 8)
+        p["logprob_update"] = 2 * p["logprob_fwd"]
+    seqs = min(generation_batch_size, prompts_per_rank * num_generations)
+    p["kv_cache"] = 2 * L * s["k"] * s["d"] * b * seqs * seq_len
+    p["generation_logits"] = 3 * seqs * V * 4
+    held = max(p["zero3_live"], min(N * b, generation_resident_bytes))  # middle mode: resident
+    p["generation_params"] = (N * b if gather_for_generation else held) if zero_stage == 3 else 0
+    p["fp32_grad_partition"] = (
+        0 if (offload_optimizer or not mixed) else 4 * T // (W if zero_stage >= 1 else 1)
+    )
+    # torch Adam ("torch_adam": true in configs/) makes ~2 fp32 temporaries of the tensor it steps:
+    # one parameter (stage 0), the flat partition (1/2), a sub-group of <= 1e9 elements (3); fused
+    # Adam: 0
+    stepped = (
+        min(largest, T) if zero_stage == 0 else T // W if zero_stage < 3 else min(T // W, 10**9)
+    )
+    p["adam_temporaries"] = 0 if offload_optimizer or fused_adam else 2 * 4 * stepped
+    p["vllm"] = vllm_share
+    resident = (
+        p["params"] + p["grads"] + p["optimizer"] + p["reference"] + p["critic"] + p["reward_model"]
+    )
+    # level-1 sleep frees vLLM's weights and KV cache on GPU
+    v_train = 0 if vllm_sleep else vllm_share
+    phases = {}
+    # the weight sync gathers one group of at most max(2**26 elements, the largest parameter) at a
+    # time (zero3_utils.iter_full_params); a server's packed NCCL transfer holds ~3 of its buffers
+    # more on rank 0 (vllm_transfer.packing; unpacked, 0, by default)
+    group = max(2**26, largest) * b
+    if vllm_server:  # its devices are its own: nothing of vLLM on the trainer's
+        p["transfer_buffers"] = 3 * packed_bytes
+        phases["weight_sync"] = resident + p["zero3_live"] + group + p["transfer_buffers"]
+    if use_vllm:
+        phases["rollout"] = resident + vllm_share
+        phases["weight_sync"] = resident + vllm_share + p["zero3_live"] + group
+    else:
+        prefill = A * seqs * (seq_len - completion_len)
+        phases["rollout"] = (
+            resident + p["generation_params"] + p["kv_cache"] + p["generation_logits"] + prefill
+        )
+    logps = resident + v_train + p["zero3_live"] + p["inference_layer"] + p["logprob_fwd"]
+    phases["old_logprobs"] = logps
+    if reference_model:
+        phases["ref_logprobs"] = logps  # its own ZeRO-3 working set instead of the policy's
+    phases["update"] = (
+        resident
+        + v_train
+        + p["zero3_live"]
+        + p["activations"]
+        + p["logprob_update"]
+        + (bucket if zero_stage >= 2 else 0)
+    )
+    phases["optimizer_step"] = resident + v_train + p["fp32_grad_partition"] + p["adam_temporaries"]
+    if phase_groups:  # the loop's ledger's phases (those of the estimate it has)
+        phases = {
+            name: max(phases[g] for g in group if g in phases)
+            for name, group in phase_groups.items()
+            if any(g in phases for g in group)
+        }
+    # states + fp32 grads
+    cpu = (opt if offload_optimizer else 0) + (4 * T // W if offload_optimizer else 0)
+    cpu += N * b // W if offload_params else 0
+    cpu += N * b // W if reference_model and ref_offload else 0
+    cpu += reward_n * b // W if ref_offload else 0
+    return {
+        "phases": phases,
+        "pieces": p,
+        "cpu": cpu,
+        "highest": max(phases, key=phases.get),
+        "params": N,
+    }
+
+
+# ---- Which knob brings it under the device ----------------------------------------------------
+def _knob_changes(kw):
+    """Single changes to try, each one step leaner than kw (all of estimate_memory's kwargs):
+    (label, kwargs)."""
+    out, z = [], kw["zero_stage"]
+
+    def add(cond, label, **change):
+        if cond:
+            out.append((label, dict(kw, **change)))
+
+    add(z < 3, "zero_stage 3", zero_stage=3)
+    add(z >= 1 and not kw["offload_optimizer"], "offload_optimizer", offload_optimizer=True)
+    add(z == 3 and not kw["offload_params"], "offload_params", offload_params=True)
+    add(not kw["gradient_checkpointing"], "gradient_checkpointing", gradient_checkpointing=True)
+    m, (tc, tv) = kw["micro_batch_size"], kw["logprob_chunk"]
+    add(m > 1, f"micro_batch_size {m // 2}", micro_batch_size=m // 2)
+    add(not kw["fused_logprobs"], "fused_logprobs", fused_logprobs=True)
+    add(
+        kw["fused_logprobs"] and tc > 256,
+        f"logprob_chunk {tc // 2},{tv}",
+        logprob_chunk=(tc // 2, tv),
+    )
+    util, weights = (
+        kw["gpu_memory_utilization"],
+        model_shape(kw["model_config"])["N"] * (4 if kw["dtype"] == "fp32" else 2),
+    )
+    add(kw["use_vllm"] and not kw["vllm_sleep"], "vllm_sleep", vllm_sleep=True)
+    add(
+        kw["use_vllm"]
+        and (util - 0.1) * kw["device_gb"] * GB > 1.2 * weights,  # vLLM still holds its weights
+        f"gpu_memory_utilization {util - 0.1:.1f}",
+        gpu_memory_utilization=round(util - 0.1, 2),
+    )
+    add(
+        not kw["use_vllm"] and z == 3 and kw["gather_for_generation"],
+        "gather_for_generation False",
+        gather_for_generation=False,
+    )
+    add(kw["reference_model"] and not kw["ref_offload"], "ref_offload", ref_offload=True)
+    return out
+
+
+def knobs_to_fit(model_config, device_gb, **kw):
+    """Greedy: apply the single change that lowers the highest phase most, until it fits in
+    device_gb (or nothing helps). Returns [(change, highest GB after it)]."""
+    import inspect
+
+    defaults = {
+        k: v.default
+        for k, v in inspect.signature(estimate_memory).parameters.items()
+        if k != "model_config"
+    }
+    kw = {**defaults, **kw, "device_gb": device_gb, "model_config": model_config}
+    top, steps = max(estimate_memory(**kw)["phases"].values()), []
+    while top > device_gb * GB:
+        tried = [
+            (max(estimate_memory(**k)["phases"].values()), label, k)
+            for label, k in _knob_changes(kw)
+        ]
+        best = min(tried, key=lambda t: t[0], default=None)
+        if best is None or best[0] >= top:
+            break
+        top, label, kw = best
+        steps.append((label, top / GB))
+    return steps
+
+
+def format_table(est, device_gb=None):
+    rows = [f"{'phase':<16}{'GB/GPU':>9}"] + [
+        f"{k:<16}{v / GB:>9.2f}" for k, v in est["phases"].items()
+    ]
+    rows += ["", f"{'piece':<20}{'GB':>9}"] + [
+        f"{k:<20}{v / GB:>9.2f}" for k, v in est["pieces"].items() if v
+    ]
+    rows.append(
+        f"parameters {est['params'] / 1e9:.3f} B; offloaded to CPU per rank {est['cpu'] / GB:.1f} "
+        "GB; "
+        f"highest phase: {est['highest']}"
+        + (
+            f" ({'fits' if est['phases'][est['highest']] <= device_gb * GB else 'OVER'} "
+            f"{device_gb} GB)"
+            if device_gb
+            else ""
+        )
+    )
+    return "\n".join(rows)
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+def main(argv=None):
+    from dataclasses import dataclass, field
+
+    from transformers import HfArgumentParser
+
+    @dataclass
+    class Args:
+        model: str = field(
+            metadata={"help": f"config.json, its directory, or a preset: {', '.join(PRESETS)}"}
+        )
+        device_gb: float = field(
+            default=80.0, metadata={"help": "memory per GPU; over it, the knobs that fit"}
+        )
+        world_size: int = field(default=1, metadata={"help": "data-parallel ranks (GPUs)"})
+        zero_stage: int = field(default=3, metadata={"help": "DeepSpeed ZeRO stage 0-3"})
+        offload_optimizer: bool = field(
+            default=False, metadata={"help": "Adam states (and fp32 grads) on CPU"}
+        )
+        offload_params: bool = field(
+            default=False, metadata={"help": "ZeRO-3 parameter partitions on CPU"}
+        )
+        dtype: str = field(
+            default="bf16", metadata={"help": "bf16 (mixed precision, fp32 master) or fp32"}
+        )
+        gradient_checkpointing: bool = field(
+            default=False, metadata={"help": "recompute layers in backward"}
+        )
+        micro_batch_size: int = field(
+            default=8, metadata={"help": "sequences per forward/backward"}
+        )
+        seq_len: int = field(
+            default=1536, metadata={"help": "prompt + completion tokens per sequence"}
+        )
+        completion_len: int = field(
+            default=1024, metadata={"help": "completion tokens (log-prob positions)"}
+        )
+        num_generations: int = field(default=8, metadata={"help": "completions per prompt"})
+        prompts_per_rank: int = field(default=1, metadata={"help": "prompts per rank per step"})
+        logprob_chunk: str = field(
+            default=f"{DEFAULT_CHUNK_SIZE},{DEFAULT_VOCAB_CHUNK_SIZE}",
+            metadata={"help": "fused log-prob tile: tokens,vocab"},
+        )
+        fused_logprobs: bool = field(
+            default=True, metadata={"help": "False: naive (m, C, V) logits"}
+        )
+        use_vllm: bool = field(default=False, metadata={"help": "colocated vLLM generates"})
+        gpu_memory_utilization: float = field(
+            default=0.3, metadata={"help": "vLLM's share of the GPU"}
+        )
+        vllm_sleep: bool = field(
+            default=False, metadata={"help": "vLLM sleeps (level 1) outside the rollout"}
+        )
+        gather_for_generation: bool = field(
+            default=True, metadata={"help": "ZeRO-3: gather the model to generate"}
+        )
+        generation_batch_size: int = field(
+            default=256, metadata={"help": "HF generate: sequences per call"}
+        )
+        reference_model: bool = field(
+            default=False, metadata={"help": "a frozen reference (beta > 0)"}
+        )
+        ref_offload: bool = field(default=False, metadata={"help": "reference shards on CPU"})
+        fused_adam: bool = field(
+            default=False, metadata={"help": "fused Adam: no step temporaries"}
+        )
+
+    (a,) = HfArgumentParser(Args).parse_args_into_dataclasses(argv)
+    kw = {k: v for k, v in vars(a).items() if k not in ("model", "device_gb")}
+    kw["logprob_chunk"] = tuple(int(x) for x in a.logprob_chunk.split(","))
+    print_estimate(a.model, a.device_gb, **kw)
+
+
+def print_estimate(model_config, device_gb, **kw):
+    """The per-phase table and, when over device_gb, the changes that bring it under."""
+    est = estimate_memory(model_config, device_gb=device_gb, **kw)
+    print(format_table(est, device_gb))
+    if est["phases"][est["highest"]] > device_gb * GB:
+        steps = knobs_to_fit(model_config, device_gb, **kw)
+        fits = steps and steps[-1][1] <= device_gb
+        print(
+            ("to fit in %g GB: " % device_gb if fits else "still over %g GB after: " % device_gb)
+            + (" then ".join(f"{label} ({gb:.1f} GB)" for label, gb in steps) or "no knob helps")
+        )
+    return est
+
+
+if __name__ == "__main__":
+    main()
