@@ -77,12 +77,14 @@ def one_engine(eager, calls):
 def main():
     (args,) = HfArgumentParser(Args).parse_args_into_dataclasses()
     rounds = []
-    for i in range(args.rounds):
+    for _ in range(args.rounds):
         r = {mode: one_engine(mode == "eager", args.calls) for mode in ("compiled", "eager")}
         rounds.append(r)
-        print(json.dumps({m: {"start": round(v["start"], 1), "calls": [round(c, 2) for c in
-                                                                      v["calls"]]}
-                          for m, v in r.items()}), flush=True)
+        brief = {
+            m: {"start": round(v["start"], 1), "calls": [round(c, 2) for c in v["calls"]]}
+            for m, v in r.items()
+        }
+        print(json.dumps(brief), flush=True)
     later = rounds[1:] or rounds  # the first round fills vLLM's compile cache
     med = {}
     for mode in ("compiled", "eager"):

@@ -38,8 +38,9 @@ The same work on both sides:
 (the same kind of engine). Both engines: the model's dtype (fp32), max_model_len = 512 + C (ours:
 --max_prompt_length 512 + C; TRL: vllm_max_model_length), the same VLLM_CPU_KVCACHE_SPACE (run.sh's
 CPU default, 1 GB, unless set) and, on a GPU, gpu_memory_utilization 0.3 (both sides' default),
-vLLM's defaults otherwise (not eager on either side); the same sampling (temperature 1, top_p 1,
-top_k 0) and C forced as SamplingParams(min_tokens=C): TRL takes it through generation_kwargs;
+vLLM's defaults otherwise (TRL's engine compiles; ours is eager on CPU, as grpo.py's CPU engines
+start, generation.cpu_engine_kwargs, and compiles on GPU); the same sampling (temperature 1, top_p
+1, top_k 0) and C forced as SamplingParams(min_tokens=C): TRL takes it through generation_kwargs;
 grpo.py has no such option, so ours' worker sets min_tokens=C on the SamplingParams that
 VLLMGenerator.generate passes to LLM.generate. No importance correction on either side (ours'
 default; TRL's vllm_importance_sampling_correction=False), so neither adds an old-log-prob pass.
