@@ -1,9 +1,9 @@
 """Fail early and once: pre-flight checks of a run's inputs, a guard against non-finite steps,
 and the entry point that turns a known failure into one readable message and an exit code.
 
-    from checks import RunError, StepGuard, entry, parse_args_quietly, ...
+    from checks import RunError, StepGuard, entry, ...
     def main(argv=None):
-        args = parse_args_quietly(Args, argv)           # argparse errors: printed by rank 0 only
+        args = parse_args_quietly(Args, argv)           # arguments.py: rank 0 prints argparse's
         if args.loss_type not in LOSS_TYPES:
             raise RunError("--loss_type x: choose one of ...")  # rank 0 prints it, all exit 2
         guard = StepGuard(max_bad_steps=3)
@@ -33,11 +33,8 @@ memory.py (is_out_of_memory) and zero3_utils.py (process_rank).
 """
 
 import contextlib
-import copy
-import dataclasses
 import importlib
 import importlib.util
-import io
 import json
 import logging
 import math
@@ -45,7 +42,6 @@ import os
 import sys
 import time
 import traceback
-import types
 
 import torch
 
@@ -189,103 +185,6 @@ def _peer_lost(e):
             "NCCL communicator was aborted",
         )
     )
-
-
-def parse_args_quietly(dataclass_type, argv=None):
-    """HfArgumentParser, with argparse's usage and error text printed by rank 0 only (argparse exits
-    2); an argument no field takes, or a value outside its field's "range", is a RunError."""
-    quiet = process_rank() != 0
-    sink = io.StringIO()
-    with (
-        contextlib.redirect_stderr(sink) if quiet else contextlib.nullcontext(),
-        contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext(),
-    ):
-        args, unknown = _parser(dataclass_type).parse_args_into_dataclasses(
-            argv, return_remaining_strings=True
-        )
-    if unknown:
-        raise RunError(
-            f"unknown arguments {unknown}: `python {os.path.basename(sys.argv[0])} --help` lists "
-            "them"
-        )
-    check_ranges(args)
-    return args
-
-
-# ---- Argument ranges: declared once, in each Args field's metadata -------------------------------
-# field(default=1.0, metadata={"help": ..., "range": "(0, 1]", "why": "optional reason"}); a range
-# is "> a", ">= a" or an interval "(a, b]", "[a, b)", ...; a value outside it, NaN, inf: refused.
-RANGE_KEYS = ("range", "why")
-
-
-def _parser(dataclass_type):
-    """HfArgumentParser that keeps "range" and "why" out of argparse (which takes no such keywords)
-    and shows the range at the end of the field's --help ("...; must be > 0")."""
-    from transformers import HfArgumentParser
-
-    class Parser(HfArgumentParser):
-        @staticmethod
-        def _parse_dataclass_field(parser, field):
-            if "range" in field.metadata:
-                meta = {k: v for k, v in field.metadata.items() if k not in RANGE_KEYS}
-                rule = describe_range(field.metadata["range"])
-                meta["help"] = f"{meta.get('help', '')}; must be {rule}"
-                field = copy.copy(field)
-                field.metadata = types.MappingProxyType(meta)
-            HfArgumentParser._parse_dataclass_field(parser, field)
-
-    return Parser(dataclass_type)
-
-
-def _bounds(rule):
-    """(low, low open, high, high open): "> 0" -> (0, True, inf, False), "[0, 1)" -> (0, False, 1,
-    True)."""
-    rule = rule.strip()
-    if rule.startswith(">"):
-        return float(rule.lstrip(">=").strip()), not rule.startswith(">="), math.inf, False
-    low, high = rule[1:-1].split(",")
-    return float(low), rule[0] == "(", float(high), rule[-1] == ")"
-
-
-def describe_range(rule):
-    """ "> 0" stays as it is; an interval reads "in [0, 1)"; choices "one of a, b"."""
-    if isinstance(rule, tuple):
-        return f"one of {', '.join(rule)}"
-    return rule if rule.startswith(">") else f"in {rule}"
-
-
-def in_range(value, rule):
-    if isinstance(rule, tuple):  # the field's choices
-        return value in rule
-    low, low_open, high, high_open = _bounds(rule)
-    if not math.isfinite(value):
-        return False
-    above = value > low if low_open else value >= low
-    return above and (value < high if high_open else value <= high)
-
-
-def arg(default, help, range=None, why=None, aliases=None):
-    """An Args field in one line: its default, its --help text, the range check_ranges enforces
-    (">= 0", "(0, 1]", ...; a string's choices as a tuple) with an optional reason for the
-    message; aliases: an older flag name still accepted ("--old_name")."""
-    metadata = {"help": help}
-    if range is not None:
-        metadata["range"] = range
-    if why is not None:
-        metadata["why"] = why
-    if aliases is not None:
-        metadata["aliases"] = [aliases]
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-def check_ranges(args):
-    """Every field of the Args dataclass `args` whose metadata has a "range" holds a finite value in
-    it; else a RunError naming the flag, the value and the range."""
-    for f in dataclasses.fields(args):
-        rule, value = f.metadata.get("range"), getattr(args, f.name)
-        if rule is not None and not in_range(value, rule):
-            why = f" ({f.metadata['why']})" if "why" in f.metadata else ""
-            raise RunError(f"--{f.name} {value}: must be {describe_range(rule)}{why}")
 
 
 # ---- Pre-flight: inputs, before any model is loaded or any step is taken -------------------------

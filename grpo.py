@@ -34,6 +34,7 @@ import torch
 import envs
 import harness
 import recipes
+from arguments import arg
 from batching import (
     all_sum,
     cat_groups,
@@ -43,7 +44,7 @@ from batching import (
     plan_micro_batches,
     take_groups,
 )
-from checks import RunError, arg, entry_code, exit_process
+from checks import RunError, entry_code, exit_process
 from data import batch_rows
 from fit import Knobs
 from generation import Generations, sampler_logp_gap

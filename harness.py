@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+from arguments import arg, parse_args_quietly
 from batching import all_sum, encode_prompts, init_distributed
 from checkpoint import (
     StopOnSignal,
@@ -48,14 +49,12 @@ from checkpoint import (
 from checks import (
     RunError,
     StepGuard,
-    arg,
     check_attn_implementation,
     check_ds_config,
     check_global_batch,
     check_inputs,
     check_partitioned_loading,
     check_vllm,
-    parse_args_quietly,
     training_dtype,
 )
 from fit import MEMORY_KNOBS, OOM_HINTS, KnobAdapter, estimate_run_memory, fit_to_budget

@@ -36,6 +36,7 @@ from transformers import AutoModelForSequenceClassification
 
 import harness
 import recipes
+from arguments import arg
 from batching import (
     all_sum,
     forward_logps,
@@ -44,7 +45,7 @@ from batching import (
     mini_batch_plans,
     plan_micro_batches,
 )
-from checks import RunError, arg, entry_code, exit_process
+from checks import RunError, entry_code, exit_process
 from critic import build_critic, forward_values
 from data import batch_rows
 from fit import Knobs

@@ -10,7 +10,8 @@ import sys
 
 import envs
 import smollm2
-from checks import RunError, check_ranges
+from arguments import check_ranges
+from checks import RunError
 
 GRPO = {
     "pretrained": {  # a small LR, longer answers, a batch that fits beside a real model

@@ -411,7 +411,7 @@ def test_numeric_argument_out_of_range(env, capsys, loop, flag, value, message):
 
 @LOOPS
 def test_every_numeric_argument_has_a_range_its_default_meets(loop, capsys):
-    from checks import in_range
+    from arguments import in_range
 
     for f in dataclasses.fields(loop.Args):
         if f.type in (int, float, "int", "float"):
