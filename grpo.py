@@ -116,8 +116,7 @@ def loss_normalizer(mask, loss_type, max_completion_length):
     """This micro-batch's share of the loss denominator; sum it over the whole batch and all ranks.
 
     grpo: number of sequences; bnpo and cispo: number of completion tokens; dr_grpo: sequences x
-    max_completion_length (a constant per sequence, so long and short answers weigh the same).
-    """
+    max_completion_length (a constant per sequence, so long and short answers weigh the same)."""
     if loss_type == "grpo":
         return float(mask.shape[0])
     if loss_type in ("bnpo", "cispo"):
