@@ -710,7 +710,7 @@ def train_on_batch(engine, batch, plan, args, knobs, normalizer, device, ledger,
 def main(argv=None):
     args = parse_args(argv)
     env = envs.load_env(args.env) if args.env else None  # a factory of environments
-    if args.estimate_memory or args.preflight:  # one process, before torchrun starts the ranks
+    if args.estimate_memory or args.preflight:  # one process, before any rank begins
         return harness.before_torchrun(args, memory_models(args))
     run = harness.Run(args, memory_models(args))  # process group, every input checked
     policy = run.load()

@@ -254,7 +254,7 @@ def preflight(args, rank, world, models, say=print):
 
 def before_torchrun(args, models):
     """--estimate_memory (the per-phase table) or --preflight (the checks): one process, no group,
-    no weights; run.sh runs these before torchrun starts the ranks."""
+    no weights; run.sh runs these before any rank begins."""
     if args.estimate_memory:
         return estimate_run_memory(args, models)
     inputs = preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)), models=models)

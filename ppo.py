@@ -461,7 +461,7 @@ def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, knob
 # ---- The loop --------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-    if args.estimate_memory or args.preflight:  # one process, before torchrun starts the ranks
+    if args.estimate_memory or args.preflight:  # one process, before any rank begins
         return harness.before_torchrun(args, memory_models(args))
     run = harness.Run(args, memory_models(args))  # process group, every input checked
     actor = run.load()
