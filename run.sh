@@ -196,11 +196,11 @@ if [[ -z ${MASTER_PORT:-} && ${NNODES:-1} == 1 ]]; then
 elif [[ ${NODE_RANK:-0} == 0 ]]; then   # taken since the check above (a run started meanwhile)
   port_free "${MASTER_PORT:-29500}" || port_taken "${MASTER_PORT:-29500}"
 fi
-set -x   # torchrun in a session of its own: a signal reaches it once, from the traps below
-PREFLIGHT_PASSED=$beside PREFLIGHT_PARENT=$$ setsid python -m torch.distributed.run --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
-  --nproc_per_node "$NPROC" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \
-  "$ALGO.py" "${args[@]}" "$@" &
-{ set +x; } 2>/dev/null
+launch=(python -m torch.distributed.run --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}"
+  --nproc_per_node "$NPROC" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}"
+  "$ALGO.py" "${args[@]}" "$@")
+# torchrun in a session of its own: a signal reaches it once, from the traps below
+PREFLIGHT_PASSED=$beside PREFLIGHT_PARENT=$$ setsid "${launch[@]}" &
 pid=$! signal="" signal_at=0
 trap 'signal=TERM signal_at=$(date +%s); kill -TERM $pid 2>/dev/null' TERM
 trap 'signal=INT signal_at=$(date +%s); kill -INT $pid 2>/dev/null' INT
@@ -213,6 +213,7 @@ if [[ -n $beside ]]; then
   fi
   touch "$beside"
 fi
+echo "+ ${launch[*]}" >&2   # what the ranks run, once they begin
 wait $pid; rc=$?
 while kill -0 $pid 2>/dev/null; do wait $pid; rc=$?; done   # a trap cuts `wait` short: wait again
 latest=$run_dir/checkpoints/latest

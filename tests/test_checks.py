@@ -752,13 +752,16 @@ def test_run_sh_refuses_more_ranks_than_gpus(tmp_path, visible, vllm_devices):
     ], proc.stderr
 
 
-def test_run_sh_stops_bad_input_before_torchrun(tmp_path):
+def test_run_sh_stops_bad_input_before_any_rank_begins(tmp_path):
+    """torchrun starts beside the pre-flight (run.sh echoes its command), but no rank begins: the
+    pre-flight's one message, no rank's, no torchrun summary, no run directory."""
     bad = jsonl(tmp_path / "bad.jsonl", ['{"question": "1="}'])
     proc = run_sh("grpo", "--data", bad, env={"RUN_DIR": str(tmp_path / "run")}, wait=False)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_CONFIG, out
     assert out.count("error:") == 1 and 'bad.jsonl line 1 has no string "prompt"' in out, out
-    assert "torch.distributed.run" not in out and "Traceback" not in out, out
+    assert "ChildFailedError" not in out and "Traceback" not in out, out
+    assert not (tmp_path / "run").exists()
 
 
 def test_torchrun_every_rank_stops_with_one_message(tmp_path):
