@@ -761,9 +761,11 @@ def main(argv=None):
         )
     if prefetch is not None:
         prefetch.close()
-    right = ("kl", "KL to reference", "-") if args.beta > 0 else ("entropy", "entropy", "-")
-    train, held = ("reward", "train reward", "-"), ("eval/reward", "held-out reward", "o-")
-    run.finish(panels=[[train, held], [right]])
+    # curves.png: the reward, then KL to the reference (beta > 0) or else the policy's entropy
+    train, held = ("reward", "train", "-"), ("eval/reward", "held-out", "o-")
+    right = ("KL to reference", "kl") if args.beta > 0 else ("entropy (nats/token)", "entropy")
+    panel = (right[0], [(right[1], "train", "-")])
+    run.finish(panels=[("reward", [train, held]), panel])
 
 
 def step_row(step, first, totals, engine, args):

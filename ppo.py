@@ -580,8 +580,11 @@ def main(argv=None):
                 engine.module.save_pretrained(path)
                 run.tokenizer.save_pretrained(path)
 
-    panels = [[("reward", "train score", "-"), ("eval/reward", "held-out score", "o-")]]
-    panels += [[("value_loss", "value loss", "-")], [("kl", "KL to reference", "-")]]
+    # curves.png: the score, the value loss, then KL to the reference (kl_coef > 0) or the entropy
+    train, held = ("reward", "train", "-"), ("eval/reward", "held-out", "o-")
+    right = ("KL to reference", "kl") if args.kl_coef > 0 else ("entropy (nats/token)", "entropy")
+    panels = [("score", [train, held]), ("value loss", [("value_loss", "critic", "-")])]
+    panels.append((right[0], [(right[1], "train", "-")]))
     run.finish(panels, save if args.lora_r else None)
 
 

@@ -6,7 +6,10 @@ and curves.png. (Peak memory per phase: memory.py's MemoryLedger.)
     log = RunLog(run_dir, __file__, vars(args), rank, report_to="none", extra={"world_size": world})
     # on resume from a checkpoint at step 40: RunLog(..., resume_step=40) drops rows past step 40
     log.record({"step": 1, "reward": 0.5})
-    log.close(panels=[[("reward", "train reward", "-"), ("eval/reward", "held-out reward", "o-")]])
+    log.close(panels=[("reward", [("reward", "train", "-"), ("eval/reward", "held-out", "o-")])])
+
+curves.png: one panel per (y label, series), each series (metrics key, legend label, line style)
+against the step, titled with the run's name (run_dir's last part); wandb's run has that name too.
 
 Only rank 0 writes; on other ranks every call does nothing. Imports no sibling file.
 """
@@ -42,7 +45,8 @@ class RunLog:
             import wandb
 
             os.environ.setdefault("WANDB_MODE", "offline")
-            wandb.init(project="lean-rl", dir=run_dir, config=config)
+            # offline: <run_dir>/wandb/offline-run-<time>-<id>/, `wandb sync` uploads it
+            wandb.init(project="lean-rl", dir=run_dir, config=config, name=run_name(run_dir))
             self.wandb = wandb
         path = os.path.join(run_dir, "metrics.jsonl")
         if resume_step is not None and os.path.exists(path):
@@ -59,8 +63,8 @@ class RunLog:
             self.wandb.log(row, step=row["step"])
 
     def close(self, panels):
-        """Close metrics.jsonl and plot it: one subplot per panel, a panel a list of (key, label,
-        style)."""
+        """Close metrics.jsonl and plot it: one subplot per panel, a panel (y label, [(key, label,
+        style), ...])."""
         if self.file is None:
             return
         self.file.close()
@@ -130,23 +134,41 @@ def truncate_after(path, step):
     os.replace(tmp, path)
 
 
-def plot_curves(run_dir, panels):
-    """metrics.jsonl -> curves.png: per panel, each (key, label, style) against step over the rows
-    that have it."""
+def run_name(run_dir):
+    """The run's name: the last part of its directory (runs/grpo-<time> -> grpo-<time>)."""
+    return os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
+
+
+def curves_figure(run_dir, panels):
+    """metrics.jsonl -> a matplotlib figure titled with the run's name: per panel (y label,
+    series), each series (key, label, style) against step over the rows that have it; steps on
+    whole-number ticks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        for key, label, style in panel:
+    fig.suptitle(run_name(run_dir))
+    for ax, (ylabel, series) in zip(axes[0], panels):
+        for key, label, style in series:
             have = [r for r in rows if key in r]
             ax.plot([r["step"] for r in have], [r[key] for r in have], style, label=label)
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5
         ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot_curves(run_dir, panels):
+    """curves_figure saved as run_dir/curves.png."""
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(run_dir, panels)
     fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
     plt.close(fig)

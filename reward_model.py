@@ -1,0 +1,59 @@
+"""A reward model directory that `ppo.py --reward_model` takes: a sequence classifier with one label
+(AutoModelForSequenceClassification, num_labels=1; its score at the last non-pad token is the
+reward) that has the policy's tokenizer (the policy's token ids reach it as they are) and names the
+run's pad token in its config (which tokens are padding when it finds the last one).
+
+    python reward_model.py --path runs/rm --policy Qwen/Qwen2.5-0.5B-Instruct   # from your policy
+    MODEL=Qwen/Qwen2.5-0.5B-Instruct bash run.sh ppo --reward_model runs/rm
+    python reward_model.py --path runs/rm                 # a tiny one for the built-in task
+    bash run.sh ppo --reward_model runs/rm
+
+From --policy: the policy's body (its weights and config) and its tokenizer, with a new score head,
+random (seeded): it scores, but has learnt nothing yet. Train it on your comparisons or ratings
+(TRL's RewardTrainer saves this same format), or use it as it is to try the set-up. Without
+--policy: a tiny random Llama in the built-in task's vocabulary (tasks.TASK_CHARS).
+"""
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from arguments import arg, parse_args_quietly
+from checks import entry, load_tokenizer
+from tasks import TASK_CHARS
+from tiny_models import build_tiny
+
+
+def build_reward_model(path, policy="", seed=0, pad_token=""):
+    """Write a one-label reward model to `path` and return `path`: from `policy` (a path or hub id:
+    its body, its tokenizer, a new score head initialised under `seed`), or without it a tiny
+    random one for the built-in task. pad_token: the run's --pad_token, for a policy without one."""
+    if not policy:
+        return build_tiny(path, reward_model=True, chars=TASK_CHARS, seed=seed)
+    tokenizer = load_tokenizer(policy, pad_token)  # the pad token the run will use
+    torch.manual_seed(seed)  # the new score head's initialisation
+    model = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1, dtype="auto")
+    model.config.pad_token_id = tokenizer.pad_token_id  # the score is read before the padding
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@dataclass
+class Args:
+    path: str = arg("runs/rm", "output directory: pass it as --reward_model")
+    policy: str = arg("", "the policy's path or hub id; empty: a tiny one for the built-in task")
+    seed: int = arg(0, "initialisation seed of the new score head")
+    pad_token: str = arg("", "the run's --pad_token, for a policy whose tokenizer has none")
+
+
+def main(argv=None):
+    a = parse_args_quietly(Args, argv)
+    build_reward_model(a.path, a.policy, a.seed, a.pad_token)
+    print(f"wrote {a.path}: bash run.sh ppo --reward_model {a.path}")
+
+
+if __name__ == "__main__":
+    sys.exit(entry(main))  # bad input: one message, exit 2 (checks.RunError)
