@@ -10,16 +10,20 @@ argparse's text to rank 0.
 
 A range is "> a", ">= a" or an interval "(a, b]", "[a, b)", ...; a string field's choices are a
 tuple. A value outside it, NaN or inf is refused with one message naming the flag, the value and
-the range (exit 2, checks.RunError); --help shows it after the field's help text. Imports
-checks.py (RunError) and zero3_utils.py (process_rank).
+the range (exit 2, checks.RunError); --help shows it after the field's help text. A flag is
+never abbreviated (--max_step is unknown, and the message names --max_steps, as it names the
+closest flag to a typo), and a value may start with "-" and a digit ("--learning_rate -1e-4").
+Imports checks.py (RunError) and zero3_utils.py (process_rank).
 """
 
 import contextlib
 import copy
 import dataclasses
+import difflib
 import io
 import math
 import os
+import re
 import sys
 import types
 
@@ -42,10 +46,27 @@ def parse_args_quietly(dataclass_type, argv=None):
     if unknown:
         raise RunError(
             f"unknown arguments {unknown}: `python {os.path.basename(sys.argv[0])} --help` lists "
-            "them"
+            f"them{closest_flags(unknown, dataclass_type)}"
         )
     check_ranges(args)
     return args
+
+
+def closest_flags(unknown, dataclass_type):
+    """'; --max_stpes is not a flag; did you mean --max_steps?' for each unknown flag (argv tokens
+    that start with --) with a close one among the dataclass's fields and their aliases; a prefix of
+    one says that flags are never abbreviated."""
+    flags = [f"--{f.name}" for f in dataclasses.fields(dataclass_type)]
+    flags += [a for f in dataclasses.fields(dataclass_type) for a in f.metadata.get("aliases", ())]
+    said = ""
+    for token in (u.split("=")[0] for u in unknown if u.startswith("--")):
+        prefix = [f for f in flags if f.startswith(token)]
+        near = prefix[:3] or difflib.get_close_matches(token, flags, n=1, cutoff=0.75)
+        if near:
+            never = " (flags are never abbreviated)" * bool(prefix)
+            one = near[0] if len(near) == 1 else f"one of {', '.join(near)}"
+            said += f"; {token} is not a flag{never}; did you mean {one}?"
+    return said
 
 
 # ---- Argument ranges: declared once, in each Args field's metadata -------------------------------
@@ -70,7 +91,14 @@ def _parser(dataclass_type):
                 field.metadata = types.MappingProxyType(meta)
             HfArgumentParser._parse_dataclass_field(parser, field)
 
-    return Parser(dataclass_type)
+    # allow_abbrev=False: argparse would take a prefix (--max_step) for the one flag it starts, a
+    # different one as fields are added; a prefix is an unknown argument here (closest_flags)
+    parser = Parser(dataclass_type, allow_abbrev=False)
+    # a token that starts with "-" and a digit ("-1e-4", "-.5", "-0.5,1") is a value, never a flag
+    # (no flag here looks so): argparse before Python 3.14 matched only ^-\d+$|^-\d*\.\d+$, and
+    # took "--learning_rate -1e-4" for a flag with no value; this is 3.14's own pattern
+    parser._negative_number_matcher = re.compile(r"-\.?\d")
+    return parser
 
 
 def _bounds(rule):

@@ -32,6 +32,7 @@ traceback. Imports tasks.py, data.py and batching.py (check_inputs: the inputs b
 memory.py (is_out_of_memory) and zero3_utils.py (process_rank).
 """
 
+import collections
 import contextlib
 import importlib
 import importlib.util
@@ -46,9 +47,9 @@ import traceback
 import torch
 
 from batching import encode_prompts, stop_token_ids, template_kwargs
-from data import load_data, row_name
+from data import row_name, shuffled_rows, size_problem
 from memory import is_out_of_memory
-from tasks import reward_functions, score_completions, task_model
+from tasks import TASK_CHARS, reward_functions, score_completions, task_model
 from zero3_load import checkpoint_files, local_dir
 from zero3_utils import process_rank
 
@@ -190,21 +191,21 @@ def _peer_lost(e):
 # ---- Pre-flight: inputs, before any model is loaded or any step is taken -------------------------
 def check_inputs(args, rank, reward_model="", env="", teacher=""):
     """The inputs both loops share, checked in order: the DeepSpeed JSON's shape (what this project
-    supports), data (each row, conversations included), training rows left, the reward functions
-    (or, with a reward_model path, that model: one label, the policy's tokenizer; a teacher: the
-    policy's tokenizer) and the answers
-    they read, the model (the built-in task's is built here by rank 0) and its weights, its
-    tokenizer (eos and pad tokens), the chat template on every prompt, prompt lengths (one
-    warning), the reward functions on real prompts (as conversations with an `env`, grpo.py's
-    multi-turn rollouts). Reads args, writes nothing on it. Returns {train_rows, eval_rows,
-    model_path, config, tokenizer, stop_ids (batching.stop_token_ids), template_kwargs (the
-    parsed JSON), funcs, weights}."""
+    supports), data (each row's shape, conversations included), the reward functions (or, with a
+    reward_model path, that model: one label, the policy's tokenizer; a teacher: the policy's
+    tokenizer), the model (the built-in task's is built here by rank 0) and its weights, its
+    tokenizer (eos and pad tokens); then what is wrong with the rows, all in one message
+    (check_data): training rows left, the answers the rewards read, the chat template on every
+    prompt, tokens the tokenizer cannot read (unknown_tokens); warnings for a few unknown tokens
+    and long prompts; last the reward functions on real prompts (as conversations with an `env`,
+    grpo.py's multi-turn rollouts). Reads args, writes nothing on it. Returns {train_rows,
+    eval_rows, model_path, config, tokenizer, stop_ids (batching.stop_token_ids), template_kwargs
+    (the parsed JSON), funcs, weights}."""
     read_ds_json(args.ds_config)
     try:
         kwargs = template_kwargs(args.chat_template_kwargs)
-        train_rows, eval_rows = load_data(
+        rows = shuffled_rows(
             args.data,
-            args.num_eval_prompts,
             args.seed,
             args.data_split,
             args.prompt_field,
@@ -218,8 +219,10 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
         )
     except ValueError as e:
         raise RunError(str(e)) from None
-    check_rows(train_rows, eval_rows, args.data or "the built-in task")
-    check_answers(funcs, train_rows + eval_rows, args.data)
+    train_rows, eval_rows = rows[args.num_eval_prompts :], rows[: args.num_eval_prompts]
+    # what is wrong with the rows, reported together once the tokenizer has read them too
+    problems = [size_problem(args.data, rows, args.num_eval_prompts)]
+    problems.append(answer_problem(funcs, rows, args.data))
     # no --model: a tiny one from scratch
     model_path = task_model(args.model, args.run_dir, rank, args.seed)
     config = check_model_path(model_path)
@@ -228,10 +231,19 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
         if path:  # models beside the policy, on its token ids
             check_beside(path, flag, tokenizer, args.pad_token)
     stop_ids = stop_token_ids(tokenizer, model_path)
-    lengths = check_templates(tokenizer, train_rows[:20000] + eval_rows, args, model_path, kwargs)
-    warning = long_prompt_warning(lengths, args.max_prompt_length)
-    if warning and rank == 0:
-        print(warning, file=sys.stderr)
+    lengths = []
+    try:
+        lengths = check_templates(
+            tokenizer, train_rows[:20000] + eval_rows, args, model_path, kwargs
+        )
+    except RunError as e:
+        problems.append(str(e))
+    unknown, unread = unknown_tokens(tokenizer, rows, args, model_path)
+    problems.append(unknown)
+    check_data(problems)
+    for warning in (unread, long_prompt_warning(lengths, args.max_prompt_length)):
+        if warning and rank == 0:
+            print(warning, file=sys.stderr)
     if funcs:
         # the first prompts, and the first row with no answer (a function may fail on answer None)
         rest = train_rows[2:] + eval_rows
@@ -310,18 +322,105 @@ def answerless_row(data, rows):
     return f"--data {data} {row_name(data, row.get('index', 0))} (prompt {prompt[:40]!r})"
 
 
-def check_answers(funcs, rows, data):
-    """Rows whose "answer" is missing or null while a reward function reads answers (its attribute
-    needs_answer is True, as for tasks.correct_reward and exact_match_reward) could never score."""
+def answer_problem(funcs, rows, data):
+    """None, or why rows whose "answer" is missing or null could never score: a reward function
+    reads answers (its attribute needs_answer is True, as for tasks.correct_reward and
+    exact_match_reward)."""
     needy = [f"{f.__module__}.{f.__name__}" for f in funcs if getattr(f, "needs_answer", False)]
     missing = sum(r.get("answer") is None for r in rows)
     if needy and missing:
-        raise RunError(
+        return (
             f'{answerless_row(data, rows)} has no "answer" ({missing} of {len(rows)} rows '
             f"lack one), and the reward {', '.join(needy)} compares completions with "
             f"it: add an answer to every row, or pass --reward_funcs that do not read "
             f"answers"
         )
+    return None
+
+
+def check_data(problems):
+    """Every problem found in the rows (None: none) in one RunError, numbered when there are
+    several, so that one fix-and-retry mends them all."""
+    problems = [p for p in problems if p]
+    if len(problems) > 1:
+        listed = " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+        raise RunError(f"{len(problems)} problems with the data: {listed}")
+    if problems:
+        raise RunError(problems[0])
+
+
+UNKNOWN_SHARE = 0.25  # prompts or answers with more unknown tokens than this: refused
+UNKNOWN_SAMPLE = 200  # rows read (the first of the shuffled rows: a random sample)
+
+
+def unknown_tokens(tokenizer, rows, args, model_path):
+    """(problem, warning), each None or a message: the share of the sampled rows' prompt tokens
+    and answer tokens (text answers and numbers) that the tokenizer maps to its unknown token. Over
+    UNKNOWN_SHARE in either, the run would learn from <unk>: a problem saying which model reads
+    what; some, a warning naming the unknown pieces. A tokenizer without an unknown token (byte-
+    level BPE: GPT-2, Qwen, Llama 3) reads any text."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return None, None
+    sample = sorted(rows[:UNKNOWN_SAMPLE], key=lambda r: r.get("index", 0))  # source order
+    texts = {
+        "prompts": [(r, prompt_text(r["prompt"])) for r in sample],
+        "answers": [
+            (r, str(r["answer"])) for r in sample if isinstance(r["answer"], (str, int, float))
+        ],
+    }
+    found, pieces, example = {}, collections.Counter(), {}
+    for part, pairs in texts.items():
+        total = unknown = 0
+        for r, text in pairs:
+            enc = tokenizer(
+                text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast
+            )
+            ids, spans = enc["input_ids"], enc.get("offset_mapping", [])  # spans: fast ones only
+            total, unknown = total + len(ids), unknown + ids.count(unk)
+            pieces.update(text[a:b] for i, (a, b) in zip(ids, spans) if i == unk)
+            if unk in ids and part not in example:
+                example[part] = (r, text)
+        if unknown:
+            found[part] = unknown / total
+    if not found:
+        return None, None
+    where = "the tokenizer of " + (
+        f"the built-in task's model, which reads only the characters {TASK_CHARS}"
+        if not args.model
+        else model_path
+    )
+    shares = " and ".join(f"{share:.0%} of the {part}' tokens" for part, share in found.items())
+    size = f"{len(sample)} rows" + (" sampled" if len(rows) > len(sample) else "")
+    source = f"--data {args.data}" if args.data else "the built-in task"
+    if max(found.values()) <= UNKNOWN_SHARE:
+        common = ", ".join(f"{p!r} ({n} times)" for p, n in pieces.most_common(5))
+        return None, (
+            f"warning: {shares} in {source} ({size}) are unknown to {where}"
+            f"{': ' + common if common else ''}; the model sees each of them as "
+            f"{tokenizer.unk_token}"
+        )
+    part = next(p for p in found if found[p] > UNKNOWN_SHARE)
+    r, text = example[part]
+    special = part == "prompts"  # the prompt as the model gets it, bos first
+    seen = tokenizer.decode(tokenizer(text, add_special_tokens=special)["input_ids"])
+    fix = (
+        "pass a model whose tokenizer reads it: MODEL=<hub id or path> bash run.sh (a pretrained "
+        'model, as README\'s "Your model and data" shows), or --model PATH'
+        if not args.model
+        else "pass a model whose tokenizer reads it (--model, MODEL with run.sh), or data in its "
+        "vocabulary"
+    )
+    return (
+        f"{source}: {shares} ({size}) are unknown to {where}: the run would learn from "
+        f"{tokenizer.unk_token} ({row_name(args.data, r.get('index', 0))}: {part[:-1]} "
+        f"{text[:40]!r} reads as {seen[:60]!r}); {fix}"
+    ), None
+
+
+def prompt_text(prompt):
+    """A prompt's own text: the string, or a conversation's contents one per line."""
+    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
 
 
 def check_model_path(path, flag="--model", need_weights=True):
@@ -438,15 +537,6 @@ def load_tokenizer(path, pad_token="", need_eos=True):
         )
         raise RunError(f"the tokenizer of {path} has no pad token: pass --pad_token <token>{eos}")
     return tok
-
-
-def check_rows(train_rows, eval_rows, source):
-    """A run needs prompts to train on."""
-    if not train_rows:
-        raise RunError(
-            f"{source} leaves no training prompts ({len(eval_rows)} held out): add rows or lower "
-            f"--num_eval_prompts"
-        )
 
 
 def long_prompt_warning(prompt_lengths, max_prompt_length):

@@ -3,6 +3,7 @@ conversation), the held-out split, and the order the rows are seen in.
 
     from data import load_data, batch_rows
     train_rows, eval_rows = load_data("math.jsonl", num_eval=200, seed=0)  # "": the built-in task
+    rows = shuffled_rows("math.jsonl", seed=0)   # the same rows, unsplit; size_problem: too few
     load_data("openai/gsm8k", 200, 0, split="train", prompt_field="question", config="main")
     rows = batch_rows(train_rows, step, n=64, seed=0)   # step -> prompts, the same on resume
 
@@ -163,16 +164,35 @@ def load_data(
     data, num_eval, seed, split="train", prompt_field="prompt", answer_field="answer", config=""
 ):
     """(train rows, num_eval held-out rows): --data after a seeded shuffle, or the built-in task
-    when data is empty."""
+    when data is empty; too few rows for both is a ValueError (size_problem)."""
+    rows = shuffled_rows(data, seed, split, prompt_field, answer_field, config)
+    problem = size_problem(data, rows, num_eval)
+    if problem:
+        raise ValueError(problem)
+    return rows[num_eval:], rows[:num_eval]
+
+
+def shuffled_rows(
+    data, seed, split="train", prompt_field="prompt", answer_field="answer", config=""
+):
+    """Every row, in the order the held-out split takes them (the first num_eval are held out):
+    --data after a seeded shuffle, or the built-in task's."""
     if not data:
-        return default_task(num_eval, seed)
+        return default_task(0, seed)[0]  # the same order as default_task(num_eval, seed)'s split
     rows = load_rows(data, split, prompt_field, answer_field, config)
     random.Random(seed).shuffle(rows)
-    if len(rows) <= num_eval:
-        raise ValueError(
-            f"{data} has {len(rows)} rows, not more than num_eval_prompts={num_eval}; lower it"
-        )
-    return rows[num_eval:], rows[:num_eval]
+    return rows
+
+
+def size_problem(data, rows, num_eval):
+    """None, or why `rows` leave no training prompts once num_eval are held out."""
+    if len(rows) > num_eval:
+        return None
+    source = f"--data {data}" if data else "the built-in task"
+    return (
+        f"{source} has {len(rows)} rows, not more than --num_eval_prompts {num_eval} (held out "
+        "for evaluation; training takes the rest): lower it (0: no evaluation) or add rows"
+    )
 
 
 def batch_rows(rows, step, n, seed):

@@ -54,7 +54,8 @@ from vllm_server import ServerError
 from zero3_utils import all_cat, all_max
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "cispo")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+ESTIMATOR_SCALES = {"grpo": True, "rloo": False, "reinforce_pp": True}  # --scale_rewards not given
+ADVANTAGE_ESTIMATORS = tuple(ESTIMATOR_SCALES)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 VLLM_IMPORTANCE_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # what update() returns summed over ranks: the same keys on every rank, whatever it trained on (a
@@ -84,12 +85,14 @@ def group_advantages(rewards, num_generations, scale=True, eps=1e-4):
     return adv.view(-1)  # (N * G,)
 
 
-def estimate_advantages(rewards, num_generations, estimator="grpo", scale=True, keep=None):
-    """(N * G,) advantages by --advantage_estimator. grpo: group_advantages. rloo (Ahmadian et al.
-    2024): r_i - mean of the group's other G - 1 rewards, unscaled. reinforce_pp (REINFORCE++-
-    baseline, Hu et al. 2025): r - group mean, then whitened over the kept rows (keep (N * G,)
-    bool, None: all) of every rank: a collective, so every rank calls it."""
+def estimate_advantages(rewards, num_generations, estimator="grpo", scale=None, keep=None):
+    """(N * G,) advantages by --advantage_estimator. grpo: group_advantages, scaled unless `scale`
+    is False (None: the estimator's own, ESTIMATOR_SCALES). rloo (Ahmadian et al. 2024): r_i - mean
+    of the group's other G - 1 rewards, unscaled. reinforce_pp (REINFORCE++-baseline, Hu et al.
+    2025): r - group mean, then whitened over the kept rows (keep (N * G,) bool, None: all) of
+    every rank: a collective, so every rank calls it."""
     if estimator == "grpo":
+        scale = ESTIMATOR_SCALES[estimator] if scale is None else scale
         return group_advantages(rewards, num_generations, scale=scale)
     adv = group_advantages(rewards, num_generations, scale=False).double()  # (N * G,) r - mean
     if estimator == "rloo":  # r_i - (S - r_i) / (G - 1) = G / (G - 1) * (r_i - S / G)
@@ -319,7 +322,7 @@ class Args(harness.RunArgs):
     advantage_estimator: str = arg(
         "grpo",
         f"one of {ADVANTAGE_ESTIMATORS}; grpo: r - group mean; rloo: r - the others' mean "
-        "(--scale_rewards False); reinforce_pp: r - group mean, whitened over the whole batch",
+        "(unscaled); reinforce_pp: r - group mean, whitened over the whole batch",
         ADVANTAGE_ESTIMATORS,
     )
     entropy_coef: float = arg(0.0, "entropy bonus: loss -= coef x token entropy", ">= 0")
@@ -348,8 +351,12 @@ class Args(harness.RunArgs):
     beta: float = arg(0.0, "KL weight; 0 builds no reference model", ">= 0")
     epsilon_low: float = arg(0.2, "ratio clipped below at 1 - epsilon_low", "[0, 1)")
     epsilon_high: float = arg(0.2, "ratio clipped above at 1 + epsilon_high", ">= 0")
-    scale_rewards: bool = arg(
-        True, "grpo: advantages / group std; reinforce_pp: / batch std (needs True); rloo: False"
+    scale_rewards: bool | None = arg(
+        None,
+        "advantages / group std (grpo), / batch std (reinforce_pp: needs True); rloo: False; "
+        "default: the estimator's own ("
+        + ", ".join(f"{k}: {v}" for k, v in ESTIMATOR_SCALES.items())
+        + ")",
     )
     num_iterations: int = arg(1, "optimizer steps per generated batch", ">= 1")
     teacher_model: str = arg(
@@ -363,10 +370,11 @@ def parse_args(argv=None):
     """Args as given (argv, default sys.argv[1:]), checked on their own (no file read yet)."""
     args = harness.parse(Args, recipes.GRPO, argv)
     est, scale = args.advantage_estimator, args.scale_rewards
-    if (est, scale) in (("rloo", True), ("reinforce_pp", False)):  # grpo's advantage, rescaled
+    if est != "grpo" and scale not in (None, ESTIMATOR_SCALES[est]):  # grpo's advantage, rescaled
         raise RunError(
-            f"--advantage_estimator {est} needs --scale_rewards {not scale} (docs/update.md): "
-            f"pass it, or --advantage_estimator grpo --scale_rewards {scale} for this advantage"
+            f"--advantage_estimator {est} needs --scale_rewards {not scale} (docs/update.md), its "
+            f"default: leave the flag out, or use --advantage_estimator grpo --scale_rewards "
+            f"{scale} for this advantage"
         )
     if args.max_staleness and not (args.use_vllm and args.vllm_mode == "server"):
         raise RunError(

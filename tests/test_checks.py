@@ -9,6 +9,7 @@ one message), a reward function failing on one rank mid-run, and out of memory n
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -885,4 +886,122 @@ def test_a_model_beside_the_policy_needs_its_tokenizer(env, capsys):
         capsys,
         preflight(ppo.main, env, "--reward_model", rm, "--reward_funcs", ""),
         f"--reward_model {rm} has another tokenizer than the policy",
+    )
+
+
+# ---- What a new user typed (issue #43) -----------------------------------------------------------
+@LOOPS
+def test_flags_are_never_abbreviated_and_a_misspelt_one_names_the_closest(loop):
+    """argparse would take --max_step as --max_steps (its abbreviations: a prefix lands on whichever
+    field it starts, and that changes as fields are added); both a prefix and a typo are refused,
+    naming the flag meant."""
+    for argv, message in (
+        (["--max_step", "2"], "--max_step is not a flag (flags are never abbreviated); did you "),
+        (["--max_stpes", "2"], "--max_stpes is not a flag; did you mean --max_steps?"),
+        (["--max_stpes=2"], "--max_stpes is not a flag; did you mean --max_steps?"),
+    ):
+        with pytest.raises(RunError, match=re.escape(message)):
+            loop.parse_args(argv)
+    assert loop.parse_args(["--max_steps=2"]).max_steps == 2
+    with pytest.raises(RunError, match=r"unknown arguments \['--zzz', '1'\]: `python") as e:
+        loop.parse_args(["--zzz", "1"])  # nothing close: no guess
+    assert "did you mean" not in str(e.value)
+
+
+@LOOPS
+def test_a_signed_number_with_an_exponent_is_a_value(loop):
+    """argparse takes '-1e-4' for an option (its negative-number pattern has no exponent), so the
+    flag before it 'expected one argument'; here it is the flag's value, checked like any other."""
+    with pytest.raises(RunError, match=r"--learning_rate -0.0001: must be > 0"):
+        loop.parse_args(["--learning_rate", "-1e-4"])
+    assert loop.parse_args(["--learning_rate", "2E-5"]).learning_rate == 2e-5
+    assert loop.parse_args(["--reward_weights", "-0.5,1"]).reward_weights == "-0.5,1"  # a penalty
+    with pytest.raises(SystemExit):  # a flag with no value is still argparse's own error
+        loop.parse_args(["--learning_rate", "--max_steps", "2"])
+
+
+def test_the_advantage_estimator_brings_its_own_reward_scaling(capsys):
+    """--scale_rewards left out is the estimator's own (rloo: False, grpo and reinforce_pp: True):
+    rloo alone runs; the argument stays as given (None), and grpo.estimate_advantages, where it is
+    used, takes None for the estimator's own. A pairing that contradicts the estimator, given
+    explicitly, is still refused."""
+    for est in grpo.ADVANTAGE_ESTIMATORS:
+        assert grpo.parse_args(["--advantage_estimator", est]).scale_rewards is None, est
+    rewards, G = torch.tensor([0.0, 1.0, 1.0, 3.0, 2.0, 2.0, 0.0, 5.0]), 4
+    args = grpo.parse_args([])
+    got = grpo.estimate_advantages(rewards, G, args.advantage_estimator, args.scale_rewards)
+    torch.testing.assert_close(got, grpo.group_advantages(rewards, G, scale=True))
+    args = grpo.parse_args(["--scale_rewards", "False"])
+    got = grpo.estimate_advantages(rewards, G, args.advantage_estimator, args.scale_rewards)
+    torch.testing.assert_close(got, grpo.group_advantages(rewards, G, scale=False))
+    with pytest.raises(RunError, match="rloo needs --scale_rewards False"):
+        grpo.parse_args(["--advantage_estimator", "rloo", "--scale_rewards", "True"])
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "default: the estimator's own (grpo: True, rloo: False, reinforce_pp: True)" in out
+    assert not any(f.name == "scale_rewards" for f in dataclasses.fields(ppo.Args))  # GAE's own
+
+
+LETTERS = [{"prompt": f"reverse {w}", "answer": w[::-1]} for w in ("abc", "lean", "rl", "zero")]
+
+
+def test_data_the_tokenizer_cannot_read_is_refused(env, capsys, tiny_model):
+    """Own text data on the built-in task's model (a tokenizer of 11 characters) would become
+    <bos><unk><unk>... and train on nothing: refused, saying what the model reads and what to pass.
+    A model whose tokenizer reads it passes; a few unknown characters give one warning."""
+    data = jsonl(env / "letters.jsonl", [json.dumps(r) for r in LETTERS * 16])
+    for loop in (grpo, ppo):
+        assert fails(
+            capsys,
+            preflight(loop.main, env, "--data", data),
+            "100% of the prompts' tokens and 100% of the answers' tokens",
+            "unknown to the tokenizer of the built-in task's model, which reads only the "
+            "characters 0123456789=",
+            "prompt 'reverse abc' reads as '<bos><unk><unk>",
+            "MODEL=<hub id or path> bash run.sh",
+        )
+    assert preflight(grpo.main, env, "--data", data, model=tiny_model) == 0  # letters and spaces
+    capsys.readouterr()
+    words = [{"prompt": f"{n}=", "answer": w} for n, w in ((1, "one"), (2, "two"), (3, "three"))]
+    data = jsonl(env / "words.jsonl", [json.dumps(r) for r in words * 8])
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--data", data),
+        "100% of the answers' tokens",
+        "answer 'one' reads as '<unk><unk><unk>'",
+    )
+    sums = [
+        {"prompt": f"{a}{a}+{b}=", "answer": str(2 * a + b)} for a in range(4) for b in range(6)
+    ]
+    data = jsonl(env / "sums.jsonl", [json.dumps(r) for r in sums])
+    assert preflight(grpo.main, env, "--data", data) == 0  # "+" alone: 1 token in 5
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "20% of the prompts' tokens" in err, err
+    assert "'+'" in err, err
+
+
+def test_every_data_problem_is_named_in_one_message(env, capsys):
+    """64 rows, one without its answer, the default 200 held out, text the built-in model cannot
+    read: every problem in one message, not the first one found."""
+    rows = [json.dumps(r) for r in LETTERS * 16]
+    rows[5] = '{"prompt": "reverse ab"}'
+    data = jsonl(env / "small.jsonl", rows)
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--data", data, "--num_eval_prompts", "200"),
+        "3 problems",
+        "line 6 (prompt 'reverse ab') has no \"answer\"",
+        "has 64 rows, not more than --num_eval_prompts 200",
+        "unknown to the tokenizer",
+    )
+    rows[5] = json.dumps({"prompt": "1=", "answer": None})
+    rows = [rows[5]] + ['{"prompt": "2=", "answer": "2"}'] * 63
+    data = jsonl(env / "small.jsonl", rows)
+    assert fails(
+        capsys,
+        preflight(ppo.main, env, "--data", data, "--num_eval_prompts", "200"),
+        "2 problems",
+        "line 1 (prompt '1=') has no \"answer\"",
+        "not more than --num_eval_prompts 200",
     )

@@ -7,7 +7,8 @@ import random
 import datasets
 import pytest
 
-from data import load_data, load_rows
+from data import load_data, load_rows, shuffled_rows, size_problem
+from tasks import default_task
 
 ROWS = [{"question": f"{i} + {i} = ?", "solution": f"n{2 * i}"} for i in range(12)]
 
@@ -47,6 +48,7 @@ def test_every_format_gives_the_same_rows_and_split(tmp_path):
         fields = dict(split=split, prompt_field="question", answer_field="solution")
         assert load_rows(path, **fields) == expected, name
         assert load_data(path, 4, 3, **fields) == (shuffled[4:], shuffled[:4]), name
+        assert shuffled_rows(path, 3, **fields) == shuffled, name  # what the pre-flight reads
     assert load_rows(paths["saved_dict"], "train", "question")[0]["prompt"] == "held"
     (tmp_path / "files").mkdir()  # a directory of data files: datasets finds the format
     (tmp_path / "files" / "train.jsonl").write_text(open(paths["jsonl"]).read())
@@ -59,6 +61,20 @@ def test_every_format_gives_the_same_rows_and_split(tmp_path):
     with pytest.raises(ValueError, match="a .txt file; give a .jsonl"):
         (tmp_path / "d.txt").write_text("x")
         load_rows(str(tmp_path / "d.txt"))
+
+
+def test_too_few_rows_for_the_held_out_prompts():
+    """The built-in task and --data alike: more rows than --num_eval_prompts, or one message that
+    says so (the pre-flight puts it beside the rows' other problems)."""
+    assert shuffled_rows("", 0) == default_task(0, 0)[0]
+    assert load_data("", 3, 0) == default_task(3, 0)
+    assert size_problem("", shuffled_rows("", 0), 999) is None
+    for data, rows in (("", shuffled_rows("", 0)), ("d.jsonl", ROWS)):
+        message = size_problem(data, rows, len(rows))
+        assert f"has {len(rows)} rows, not more than --num_eval_prompts {len(rows)}" in message
+        assert "lower it (0: no evaluation)" in message
+    with pytest.raises(ValueError, match="the built-in task has 1000 rows, not more than"):
+        load_data("", 1000, 0)
 
 
 CONVERSATION = [

@@ -504,7 +504,7 @@ def test_bad_input_fails_with_a_message_that_says_what_to_change(tmp_path):
             "--vllm_importance_cap > 0",
         ),
         (["--dtype", "fp16"], "--dtype fp16: must be one of auto, bf16, fp32"),
-        (["--advantage_estimator", "rloo"], "needs --scale_rewards False"),
+        (["--advantage_estimator", "rloo", "--scale_rewards", "True"], "needs --scale_rewards F"),
         (["--advantage_estimator", "reinforce_pp", "--scale_rewards", "False"], "True"),
         (["--distill_only", "True"], "needs --teacher_model"),
     ):
