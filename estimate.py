@@ -26,7 +26,10 @@ S tokens per sequence (prompt + completion), C completion tokens, m micro-batch 
   temporaries of the tensor it steps (one parameter, or the flat ZeRO partition); fused Adam: none;
 - HF generation: KV cache 2 L k d b per token of every sequence in flight, plus (sequences, V)
   fp32 logits x3 (logits, probabilities, top-p sort); vLLM: gpu_memory_utilization x device
-  (on CPU, vllm_bytes: its KV cache space, its own copy of the weights and its runtime).
+  (on CPU, vllm_bytes: its KV cache space, its own copy of the weights and its runtime); its
+  weight sync adds its largest layer, which vLLM's in-place reload builds anew outside its share;
+  a vLLM server generates on its own devices (the trainer's rollout: the resident states);
+- a distillation teacher: its shards, and its forward's working set from its own shape.
 The largest phase is the pre-flight verdict; `knobs_to_fit` lists the changes that get under it.
 """
 
@@ -148,6 +151,21 @@ def lora_params(model_config, r, target_modules="all-linear"):
     return s["L"] * r * sum(shapes.get(n.strip(), 0) for n in names)
 
 
+def _layer_bytes_per_token(s, b):
+    """A: bytes per token per layer of a model of shape s (the module docstring's formula)."""
+    H, h, k, d = s["H"], s["h"], s["k"], s["d"]
+    return 2 * (4 + b) * H + b * (2 * h + 2 * k) * d + 4 * h + 4 * b * s["I"]
+
+
+def _logprob_fwd_bytes(V, completion_tokens, b, fused, logprob_chunk):
+    """A no-grad log-prob pass over completion_tokens: fused, one fp32 tile and its exp; naive, the
+    (tokens, V) logits in b, an fp32 copy and the log_softmax."""
+    tc, tv = logprob_chunk
+    if fused:
+        return 2 * min(tc, completion_tokens) * min(tv, V) * 4
+    return completion_tokens * V * (b + 8)
+
+
 def estimate_memory(
     model_config,
     *,
@@ -178,6 +196,7 @@ def estimate_memory(
     generation_resident_bytes=0,
     critic_config=None,
     reward_config=None,
+    teacher_config=None,
     phase_groups=None,
     vllm_server=False,
     packed_bytes=0,
@@ -191,12 +210,15 @@ def estimate_memory(
     critic_config: a trained critic (its body: the config's model without the lm_head; params,
     grads and Adam states like the policy's); reward_config: a frozen reward model (sharded like
     the reference under ZeRO-3, on CPU with ref_offload = --frozen_offload; resident otherwise).
+    teacher_config: GRPO's distillation teacher, its shards held like the reward model's, and its
+    own teacher_logprobs phase: its ZeRO-3 gather, layer temporaries and log-prob tile sized from
+    its shape, not the policy's.
     phase_groups {phase: (estimate phases...)}: a loop whose ledger names its phases otherwise
     (ppo.py: one "logprobs" phase for old, reference, values and rewards; the optimizer steps
     inside "update") gets each of its phases as the largest of its group.
     vllm_server: a vLLM server (--vllm_mode server) takes the weights (its weight_sync phase: the
     gathered group, and with packed_bytes > 0 the NCCL transfer's packed buffers,
-    vllm_transfer.packing).
+    vllm_transfer.packing) and generates on its own devices (rollout: the resident states).
     trainable_params: the parameters that train (LoRA's adapters, lora_params; default all N):
     gradients, Adam states and their fp32 partitions scale with them, the weights with N.
     Returns {"phases": {phase: bytes}, "pieces": {piece: bytes}, "cpu": offloaded bytes per rank,
@@ -238,24 +260,25 @@ def estimate_memory(
     )
     reward_n = model_shape(reward_config)["N"] if reward_config is not None else 0
     p["reward_model"] = 0 if ref_offload else reward_n * b // (W if zero_stage == 3 else 1)
+    t = model_shape(teacher_config) if teacher_config is not None else None
+    teacher_n = t["N"] if t else 0
+    p["teacher"] = 0 if ref_offload else teacher_n * b // (W if zero_stage == 3 else 1)
     # vllm_bytes: what the engine holds when it is not a share of a GPU (CPU: fit.py says)
     vllm_share = int(gpu_memory_utilization * device_gb * GB) if vllm_bytes is None else vllm_bytes
     vllm_share = vllm_share if use_vllm else 0
     # working sets
     largest = max(s["layer_params"], s["embed_params"])
     p["zero3_live"] = int(min(N, max(zero3_live_params, largest)) * b) if zero_stage == 3 else 0
-    # bytes/token/layer
-    A = 2 * (4 + b) * H + b * (2 * s["h"] + 2 * s["k"]) * s["d"] + 4 * s["h"] + 4 * b * I
+    A = _layer_bytes_per_token(s, b)
     tok, ctok = micro_batch_size * seq_len, micro_batch_size * completion_len
     p["activations_full"] = (L + 1) * A * tok
     p["activations_ckpt"] = L * b * H * tok + A * tok
     p["activations"] = p["activations_ckpt"] if gradient_checkpointing else p["activations_full"]
     p["inference_layer"] = A * tok  # no-grad forward: about one layer's temporaries at a time
+    p["logprob_fwd"] = _logprob_fwd_bytes(V, ctok, b, fused_logprobs, logprob_chunk)
     if fused_logprobs:
-        p["logprob_fwd"] = 2 * min(tc, ctok) * min(tv, V) * 4
         p["logprob_update"] = p["logprob_fwd"] + 4 * V * H + 4 * ctok * H + 4 * min(tv, V) * H
     else:
-        p["logprob_fwd"] = ctok * V * (b + 8)
         p["logprob_update"] = 2 * p["logprob_fwd"]
     seqs = min(generation_batch_size, prompts_per_rank * num_generations)
     p["kv_cache"] = 2 * L * s["k"] * s["d"] * b * seqs * seq_len
@@ -275,8 +298,10 @@ def estimate_memory(
     p["vllm"] = vllm_share
     resident = (
         p["params"] + p["grads"] + p["optimizer"] + p["reference"] + p["critic"] + p["reward_model"]
-    )
-    # level-1 sleep frees vLLM's weights and KV cache on GPU
+    ) + p["teacher"]
+    # the level-2 sleep (generation.VLLMGenerator.sleep) frees vLLM's weights, KV cache and, with
+    # sleep_mode_offload_cudagraph, its CUDA graphs; left out: the model runner's input buffers
+    # (max_num_seqs and max_num_batched_tokens wide), kept resident (docs/gpu.md)
     v_train = 0 if vllm_sleep else vllm_share
     phases = {}
     # the weight sync gathers one group of at most max(2**26 elements, the largest parameter) at a
@@ -287,8 +312,19 @@ def estimate_memory(
         p["transfer_buffers"] = 3 * packed_bytes
         phases["weight_sync"] = resident + p["zero3_live"] + group + p["transfer_buffers"]
     if use_vllm:
+        # vLLM's in-place reload builds each of its layers anew outside its own share, one at a
+        # time, then copies it into the live weights (vllm/model_executor/model_loader/reload/
+        # layerwise.py, _layerwise_process: materialize_layer; Worker.reload_weights runs outside
+        # its memory pool): the largest layer, vLLM fusing q/k/v and gate/up (tensor parallel
+        # splits it: not counted)
+        qkv = (s["h"] + 2 * s["k"]) * s["d"] * (H + 1)
+        p["vllm_reload_layer"] = max(s["embed_params"], 2 * I * H, qkv) * b
         phases["rollout"] = resident + vllm_share
-        phases["weight_sync"] = resident + vllm_share + p["zero3_live"] + group
+        phases["weight_sync"] = (
+            resident + vllm_share + p["zero3_live"] + group + p["vllm_reload_layer"]
+        )
+    elif vllm_server:  # it generates on its own devices: the trainer waits on HTTP
+        phases["rollout"] = resident
     else:
         prefill = A * seqs * (seq_len - completion_len)
         phases["rollout"] = (
@@ -298,6 +334,16 @@ def estimate_memory(
     phases["old_logprobs"] = logps
     if reference_model:
         phases["ref_logprobs"] = logps  # its own ZeRO-3 working set instead of the policy's
+    if t:  # the teacher's forward: its own gather, layer temporaries and log-prob tile
+        t_largest = max(t["layer_params"], t["embed_params"])
+        p["teacher_live"] = (
+            int(min(teacher_n, max(zero3_live_params, t_largest)) * b) if zero_stage == 3 else 0
+        )
+        p["teacher_layer"] = _layer_bytes_per_token(t, b) * tok
+        p["teacher_logprob_fwd"] = _logprob_fwd_bytes(t["V"], ctok, b, fused_logprobs, (tc, tv))
+        phases["teacher_logprobs"] = (
+            resident + v_train + p["teacher_live"] + p["teacher_layer"] + p["teacher_logprob_fwd"]
+        )
     phases["update"] = (
         resident
         + v_train
@@ -317,7 +363,7 @@ def estimate_memory(
     cpu = (opt if offload_optimizer else 0) + (4 * T // W if offload_optimizer else 0)
     cpu += N * b // W if offload_params else 0
     cpu += N * b // W if reference_model and ref_offload else 0
-    cpu += reward_n * b // W if ref_offload else 0
+    cpu += (reward_n + teacher_n) * b // W if ref_offload else 0
     return {
         "phases": phases,
         "pieces": p,
@@ -361,11 +407,12 @@ def _knob_changes(kw):
         gpu_memory_utilization=round(util - 0.1, 2),
     )
     add(
-        not kw["use_vllm"] and z == 3 and kw["gather_for_generation"],
+        not kw["use_vllm"] and not kw["vllm_server"] and z == 3 and kw["gather_for_generation"],
         "gather_for_generation False",
         gather_for_generation=False,
     )
-    add(kw["reference_model"] and not kw["ref_offload"], "ref_offload", ref_offload=True)
+    frozen = kw["reference_model"] or kw["reward_config"] or kw["teacher_config"]
+    add(frozen and not kw["ref_offload"], "ref_offload", ref_offload=True)
     return out
 
 

@@ -175,8 +175,7 @@ def estimate_kwargs(args, world, models, knobs=None, gpu_gb=0.0):
     S = args.max_prompt_length + args.max_completion_length
     rm, teacher = models.get("reward_model"), models.get("teacher")
     rm = _config_for(rm, "--reward_model") if rm else None
-    # a frozen model beside the policy: PPO's reward model, or GRPO's distillation teacher
-    frozen = rm or (_config_for(teacher, "--teacher_model") if teacher else None)
+    teacher = _config_for(teacher, "--teacher_model") if teacher else None
     kw = dict(
         model_config=config,
         device_gb=device_gb,
@@ -201,7 +200,8 @@ def estimate_kwargs(args, world, models, knobs=None, gpu_gb=0.0):
         fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False),
         reference_model=bool(models.get("reference")),
         critic_config=(rm or config) if models.get("critic") else None,
-        reward_config=frozen,
+        reward_config=rm,
+        teacher_config=teacher,  # GRPO's distillation teacher: its own phase, from its own shape
         phase_groups=models.get("phases"),
         trainable_params=lora_params(config, args.lora_r, args.lora_target_modules)
         if args.lora_r
@@ -284,7 +284,7 @@ def _ladder(args, knobs, kw):
     left out."""
     out = []
     stage3 = kw["zero_stage"] == 3
-    has_frozen = kw["reference_model"] or kw.get("reward_config") is not None
+    has_frozen = kw["reference_model"] or kw.get("reward_config") or kw.get("teacher_config")
     if stage3 and has_frozen and not kw["ref_offload"]:
         out.append(("frozen shards on CPU", {"frozen_offload": True}, {"ref_offload": True}))
     tile = kw["logprob_chunk"][0]

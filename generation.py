@@ -354,6 +354,9 @@ class VLLMGenerator:
             distributed_executor_backend="external_launcher",
             seed=seed + rank // self.tp,  # same seed inside a TP group, different across groups
             enable_sleep_mode=self.sleep_supported,
+            # vLLM 0.32 keeps its CUDA graphs' memory on the device through a sleep unless asked
+            # (ModelConfig.sleep_mode_offload_cudagraph, default False): estimate.py frees it
+            sleep_mode_offload_cudagraph=self.sleep_supported,
             logprobs_mode=logprobs_mode,
             **llm_kwargs,
         )

@@ -195,7 +195,11 @@ def deepspeed_config(args, knobs, world, hidden_size, dtype, lr, mini_batches=1)
         "optimizer.params.lr": lr,
         "optimizer.params.weight_decay": args.weight_decay,
     }
-    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in raw}  # its sections
+    # the JSON's own sections, and bf16 always: a JSON without one would load the models in bf16
+    # while DeepSpeed trains them as fp32, which at stage 0 steps the bf16 weights with no fp32
+    # master copy (deepspeed 0.19.8 DeepSpeedEngine._do_optimizer_sanity_check: the basic optimizer)
+    sections = {*raw, "bf16"}
+    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in sections}
     return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
 
 
@@ -297,7 +301,9 @@ class Run:
         part = self.args.partitioned_loading and self.stage == 3
         ds = frozen_config(self.ds_config, self.knobs.frozen_offload) if frozen else self.ds_config
         path = path or self.model_path
-        kw.update(dtype=self.dtype, attn_implementation=self.attn)
+        # each model its own (eager under a soft-cap): a Gemma-2 teacher beside another policy
+        attn = attn_implementation_for(path, self.args.attn_implementation)
+        kw.update(dtype=self.dtype, attn_implementation=attn)
         model = load_model(cls, path, ds_config=ds if part else None, **kw)
         if self.knobs.gradient_checkpointing and not frozen:
             enable_gradient_checkpointing(model)

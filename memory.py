@@ -55,9 +55,15 @@ def _libc():
 
 
 def is_out_of_memory(e):
-    """CUDA's OutOfMemoryError, or the CPU allocator's plain RuntimeError."""
+    """CUDA's OutOfMemoryError, the CPU allocator's plain RuntimeError, or vLLM's cumem allocator
+    mapping its sleeping memory back in `wake_up` (vLLM 0.32 csrc/cumem_allocator.cpp: a failed
+    cuMemCreate is a RuntimeError "CUDA Error: out of memory at <file>:<line>")."""
     return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "DefaultCPUAllocator" in str(e) and "allocate" in str(e)
+        isinstance(e, RuntimeError)
+        and (
+            ("DefaultCPUAllocator" in str(e) and "allocate" in str(e))
+            or str(e).startswith("CUDA Error: out of memory")
+        )
     )
 
 
