@@ -32,10 +32,16 @@
 #   PREFLIGHT    0 skips the one-process check of every input before any rank begins (default 1)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get, after SIGTERM or Ctrl-C, to finish their
 #                step and save a checkpoint before torchrun kills them (default here 300; torch's: 30)
+#   MALLOC_MMAP_THRESHOLD_  CPU only: 65536 unless set (glibc returns freed blocks from 64 KiB up to
+#                the system, so a rank's resident set holds what it uses: the SmolLM2 recipes'
+#                figures in README and docs are measured with it); set it to override
+#   LEAN_RL_ENV  which Python runs the job: install.sh (auto: .venv, or an active environment that
+#                has the stack; active: the active Python as it is; venv: .venv)
 #
 # Exit codes: 0 the run finished; 2 bad input (from the pre-flight check or a taken MASTER_PORT,
 # no rank began); 5 stopped by SIGTERM or Ctrl-C after finishing a step and saving its checkpoint
-# (continue with --resume True);
+# (continue with --resume True); 130 (Ctrl-C) or 143 (SIGTERM): stopped with no checkpoint of that
+# step (a second Ctrl-C, or a signal before a step could finish);
 # once torchrun runs, it exits 1 when a rank fails and its summary shows the rank's code: 2 bad input
 # (e.g. a reward function that raised), 3 training diverged (non-finite steps in a row), 4 out of
 # memory (the message names the phase and the knob); run.sh itself exits 4 when the kernel killed a
@@ -45,8 +51,10 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-bash install.sh                                   # first time: create .venv and install; later: a check
-[[ -n "${VIRTUAL_ENV:-}" ]] || source .venv/bin/activate
+# The environment: .venv (created and installed the first time, later a check), or one of your own
+# that has the stack, used as it is (install.sh: LEAN_RL_ENV); install.sh prints what to activate.
+venv=$(bash install.sh)
+[[ -z $venv || ${VIRTUAL_ENV:-} == "$venv" ]] || source "$venv/bin/activate"
 
 ALGO=grpo
 if [[ $# -gt 0 && ( $1 == grpo || $1 == ppo ) ]]; then ALGO=$1; shift; fi
@@ -78,6 +86,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / 
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # less fragmentation with changing sequence lengths
 export TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 [[ $GPUS != 0 ]] || export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}   # CPU: a small KV cache
+# CPU: glibc hands freed blocks of 64 KiB and more back to the system at once; by default it keeps
+# them in the resident set, which the memory ledger measures (and the kernel counts against the
+# machine). The SmolLM2 recipes' figures in README and docs are measured with it.
+[[ $GPUS != 0 ]] || export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-65536}
 
 run_dir=${RUN_DIR:-runs/$ALGO-$(date +%Y%m%d-%H%M%S)}
 args=(--ds_config "${DS_CONFIG:-configs/zero3.json}" --run_dir "$run_dir")
@@ -187,10 +199,14 @@ fi
 
 # Preemption: SIGTERM (what a scheduler sends before it kills a job) or Ctrl-C goes to torchrun, which
 # passes it on to the ranks; they finish the step in progress, save its checkpoint and exit 5
-# (checkpoint.StopOnSignal), and torchrun ends with its own exit 1. This script then exits 5 when that
-# checkpoint was written, so a job script can requeue the run with --resume True.
+# (checkpoint.StopOnSignal), and torchrun ends with 128 + the signal's number. This script then exits 5
+# when that checkpoint was written, so a job script can requeue the run with --resume True, and else
+# with torchrun's code (130 for SIGINT, 143 for SIGTERM).
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
-rm -f "$run_dir"/memory_phase.rank*   # each rank's phase now (memory.MemoryLedger); read at the end
+# Each rank's phase now (memory.MemoryLedger), read at the end: an old run's are cleared only once
+# the pre-flight passed (bad input leaves the run directory as it was).
+clear_phases() { rm -f "$run_dir"/memory_phase.rank*; }
+[[ -n $beside ]] || clear_phases
 if [[ -z ${MASTER_PORT:-} && ${NNODES:-1} == 1 ]]; then
   MASTER_PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
 elif [[ ${NODE_RANK:-0} == 0 ]]; then   # taken since the check above (a run started meanwhile)
@@ -199,8 +215,23 @@ fi
 launch=(python -m torch.distributed.run --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}"
   --nproc_per_node "$NPROC" --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}"
   "$ALGO.py" "${args[@]}" "$@")
+# torchrun's main as `python -m torch.distributed.run` runs it, less its own account of a stop: on
+# SIGTERM or Ctrl-C it logs each signal it passes on and ends in a SignalException traceback, where
+# the ranks' lines and this script's already say what happened. It exits 128 + the signal's number.
+quiet_torchrun='import logging, sys
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.run import main
+said = {"Received %s death signal, shutting down workers", "Got termination signal: %s",
+        "Sending process %s closing signal %s"}
+for name in ("agent.server.api", "multiprocessing.api"):
+    logger = logging.getLogger("torch.distributed.elastic." + name)
+    logger.addFilter(lambda r: not (isinstance(r.msg, str) and r.msg in said))
+try:
+    main()
+except SignalException as e:
+    sys.exit(128 + int(e.sigval))'
 # torchrun in a session of its own: a signal reaches it once, from the traps below
-PREFLIGHT_PASSED=$beside PREFLIGHT_PARENT=$$ setsid "${launch[@]}" &
+PREFLIGHT_PASSED=$beside PREFLIGHT_PARENT=$$ setsid python -c "$quiet_torchrun" "${launch[@]:3}" &
 pid=$! signal="" signal_at=0
 trap 'signal=TERM signal_at=$(date +%s); kill -TERM $pid 2>/dev/null' TERM
 trap 'signal=INT signal_at=$(date +%s); kill -INT $pid 2>/dev/null' INT
@@ -211,7 +242,7 @@ if [[ -n $beside ]]; then
     kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
     exit $rc
   fi
-  touch "$beside"
+  clear_phases; touch "$beside"
 fi
 echo "+ ${launch[*]}" >&2   # what the ranks run, once they begin
 wait $pid; rc=$?
@@ -221,6 +252,11 @@ if [[ -n $signal && -f $latest && $(stat -c %Y "$latest") -ge $signal_at ]]; the
   echo "run.sh: stopped by SIG$signal with a checkpoint ($(cat "$latest")); continue with" \
        "RUN_DIR=$run_dir bash run.sh $ALGO ... --resume True" >&2
   exit 5
+fi
+if [[ -n $signal && $rc != 0 ]]; then   # a second Ctrl-C, or a signal before a step could finish
+  echo "run.sh: stopped by SIG$signal with no checkpoint of that step; --resume True continues" \
+       "from the run's last one, if it saved any" >&2
+  exit $rc
 fi
 # A rank the kernel killed (SIGKILL, torchrun: "Signal 9") could say nothing: its ledger's file still
 # names the phase it was in (a rank that failed in Python closed its phase on the way out). On CPU

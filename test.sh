@@ -3,8 +3,8 @@
 #   bash test.sh -k logprobs -x
 set -euo pipefail
 cd "$(dirname "$0")"
-bash install.sh
-[[ -n "${VIRTUAL_ENV:-}" ]] || source .venv/bin/activate
+venv=$(bash install.sh test)   # .venv, or an environment of your own as it is (install.sh)
+[[ -z $venv || ${VIRTUAL_ENV:-} == "$venv" ]] || source "$venv/bin/activate"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # Lint and format first (settings in pyproject.toml): a violation fails the run before any test.
 if ! ruff check . || ! ruff format --check .; then

@@ -4,6 +4,7 @@ checks.exit_process ends the process with it, output flushed, without the interp
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from checks import EXIT_DIVERGED, RunError, entry_code
-from conftest import ROOT
+from conftest import ROOT, run_sh
 
 
 def ends_with(exc):
@@ -103,3 +104,29 @@ def test_a_rank_begins_once_the_preflight_passed_and_ends_with_run_sh(tmp_path):
     out = orphan.communicate(timeout=120)[0]
     assert "began" not in out and orphan.returncode == 1, out
     ended.wait()
+
+
+def test_ctrl_c_ends_with_the_projects_lines_only(tmp_path):
+    """Ctrl-C to run.sh mid-run: the step finishes, its checkpoint, exit 5, and after the last
+    step's line only the rank's line and run.sh's: nothing of torchrun's (no SignalException
+    traceback, none of its lines about the signal it passed on)."""
+    run_dir = tmp_path / "run"
+    small = ["--max_steps", "50", "--num_eval_prompts", "0", "--save_model", "False"]
+    proc = run_sh("grpo", *small, env={"RUN_DIR": str(run_dir)}, wait=False)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("step 1/50"):
+            proc.send_signal(signal.SIGINT)
+    out = "\n".join(lines)
+    assert proc.wait(timeout=300) == 5, out[-4000:]
+    step = int((run_dir / "checkpoints" / "latest").read_text().removeprefix("step"))
+    assert lines[-3].startswith(f"step {step}/50 "), out[-4000:]
+    assert lines[-2:] == [
+        f"stopped: SIGINT received; stopped after step {step} with a checkpoint "
+        f"({run_dir}/checkpoints/step{step}). Continue with --resume True and the same --run_dir",
+        f"run.sh: stopped by SIGINT with a checkpoint (step{step}); continue with "
+        f"RUN_DIR={run_dir} bash run.sh grpo ... --resume True",
+    ], out[-4000:]
+    for torchrun in ("Traceback", "SignalException", "death signal", "closing signal"):
+        assert torchrun not in out, out[-4000:]
