@@ -500,6 +500,10 @@ class Run:
         if self.vllm is not None and (self.sync_for_eval or not self.vllm.syncs):
             self.vllm.sync_weights(self.policy)
         mine, k = self.eval_rows[self.rank :: self.world], self.args.eval_samples
+        # fewer prompts than ranks: a rank without one samples the first prompt with weight 0, so
+        # it still joins every collective (ZeRO-3 gathers, vLLM's lockstep, the reward model's
+        # forwards) and the score is the mean over the real prompts only
+        weight, mine = (1, mine) if mine else (0, self.eval_rows[:1])
         torch.manual_seed(self.args.seed + 12345 + self.rank)
         reward = acc = pass1 = passk = float("nan")
         if self.eval_rows:
@@ -511,7 +515,8 @@ class Run:
             )  # (B * k,)
             right = [int(c) for c in solved.view(-1, k).sum(1)]  # (B,) correct samples per prompt
             passes = [sum(pass_at_k(k, c, j) for c in right) for j in (1, k)]
-            sums = all_sum([total.sum().item(), solved.sum().item(), len(mine) * k, *passes])
+            mine_sums = [total.sum().item(), solved.sum().item(), len(mine) * k, *passes]
+            sums = all_sum([x * weight for x in mine_sums])
             reward, acc = sums[0] / sums[2], sums[1] / sums[2]
             pass1, passk = (x * k / sums[2] for x in sums[3:])  # means over prompts
         row = {"step": step, "eval/reward": reward, "eval/accuracy": acc}

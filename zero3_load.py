@@ -73,7 +73,14 @@ def load_model(auto_class, path, dtype, ds_config=None, attn_implementation="sdp
         **ds_config,
         **{k: {**ds_config.get(k, {}), "enabled": dtype == t} for k, t in _PRECISION.items()},
     }
-    init = deepspeed.zero.Init(config_dict_or_path=cfg)
+    # tensor_overrides without `dtype`: zero.Init would otherwise turn every floating tensor that
+    # a module's __init__ makes into the training dtype, buffers included: transformers computes
+    # RoPE's inv_freq with torch.arange(..., dtype=torch.float), which came out bf16 (0.5 %
+    # off, a rotary angle 0.5 rad off at position 512), where from_pretrained keeps it fp32.
+    # from_config(dtype=...) already builds the parameters in the model's dtype, as
+    # from_pretrained does; the device override stays (each module is built on this rank's device)
+    on_device = deepspeed.zero.DeepSpeedTensorOverride.device
+    init = deepspeed.zero.Init(config_dict_or_path=cfg, tensor_overrides=[on_device])
     with hf_init.no_init_weights(), _ds_no_init_broadcast(), init:
         model = auto_class.from_config(config, **kw)
     model.tie_weights()  # as from_pretrained does: a tied lm_head has no weights of its own

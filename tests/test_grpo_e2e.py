@@ -1,7 +1,8 @@
 """End to end: `bash run.sh grpo` on 2 CPU processes, 2-3 steps each, on the default task.
 
 - ZeRO-3, HF generation (gathered): what a run leaves (final model, curves, args, checkpoint,
-  per-phase memory); resume after kill -9 is tests/test_checkpoint.py's.
+  per-phase memory); resume after kill -9 is tests/test_checkpoint.py's; then a teacher, with one
+  held-out prompt for two ranks.
 - ZeRO-2, vLLM generation with weight sync, reference model (beta > 0), num_iterations 2,
   truncated importance sampling, loss_type grpo.
 - Two nodes on loopback (two launches with NNODES=2), ZeRO-3 sharded generation, token-budget
@@ -62,12 +63,16 @@ def test_zero3_hf_outputs_and_checkpoint(tmp_path):
 
     # on-policy distillation from that run's final model (the same start, 3 steps on): the
     # teacher is built partitioned like a reference and its reverse KL is the advantage
+    # one held-out prompt on two ranks: the rank without one joins the gathered generation and
+    # the score's all-reduce with nothing to add
     d = tmp_path / "d"
-    run_sh("--max_steps", "1", "--teacher_model", str(a / "final"), "--distill_only", "True",
-           "--save_model", "False", env={"RUN_DIR": str(d)})  # fmt: skip
+    out = conftest.run_sh("grpo", *SMALL, "--max_steps", "1", "--teacher_model", str(a / "final"),
+                          "--distill_only", "True", "--save_model", "False",
+                          "--num_eval_prompts", "1", env={"RUN_DIR": str(d)})  # fmt: skip
     (row,) = train_rows(d)
     assert row["distill/reverse_kl"] != 0 and row["mem/teacher_logprobs"] > 0
     assert row["ratio"] == 1.0  # one iteration: on-policy, as without a teacher
+    assert "(accuracy" in out and "1 prompts)" in out and "held-out reward: start" in out
 
 
 def test_zero2_vllm_reference_iterations(tmp_path):

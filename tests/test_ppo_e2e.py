@@ -4,7 +4,7 @@
   step (same data, same samples, same actor and critic weights).
 - A tiny reward model (which also initialises the critic), with packing, token-budget
   micro-batches, middle-mode generation, gradient checkpointing, frozen models offloaded to CPU,
-  eager attention, two mini-batches per pass.
+  eager attention, two mini-batches per pass, one held-out prompt for two ranks.
 - LoRA on actor and critic (the reference is the actor with adapters off), when peft is installed.
 """
 
@@ -155,11 +155,13 @@ def test_zero3_reward_model_packing_offload(tmp_path):
         "0.0001",
         "--save_model",
         "False",
+        "--num_eval_prompts",  # fewer than ranks: one rank scores nothing, yet joins in
+        "1",
         env={"RUN_DIR": str(tmp_path / "r")},
     )
     rows = train_rows(tmp_path / "r")
     assert [r["step"] for r in rows] == [1, 2]
-    assert "held-out reward: start" in out
+    assert "held-out reward: start" in out and "1 prompts)" in out
     for r in rows:
         assert "accuracy" not in r and r["reward_std"] > 0  # model scores, not rule-based
         assert r["value_loss"] > 0 and r["entropy"] > 0
