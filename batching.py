@@ -271,29 +271,49 @@ def pack(mb):
     return torch.cat(ids)[None], torch.cat(pos)[None], torch.cat(where)
 
 
-def forward_logps(model, mb, temperature, packing, device, return_entropy=False, chunk_size=0):
+def forward_logps(
+    model, mb, temperature, packing, device, return_entropy=False, chunk_size=0, top_k=0, top_p=1.0
+):
     """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed
     (one row, positions restarting per sequence: the same values, no padded tokens computed).
-    chunk_size: tokens per fused log-prob tile (0: logprobs.py's default)."""
+    chunk_size: tokens per fused log-prob tile (0: logprobs.py's default).
+
+    top_k > 0 or top_p < 1 (the policy sampled with them): under the distribution renormalised
+    over the tokens the sampler kept (logprobs.py), cut at mb["sampling_thresholds"] (b, c) when
+    an earlier scoring found them, else found now and set there (on the CPU), so a later forward
+    of the same rows (a micro-batch of the update, another iteration) uses the same cut."""
     kw = dict(temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size)
+    found = mb.get("sampling_thresholds")  # (b, c) or None
+    if top_k > 0 or top_p < 1:
+        kw.update(top_k=top_k, top_p=top_p, return_thresholds=True)
     if not packing:
-        return model_logps(
+        if "top_p" in kw and found is not None:
+            kw["thresholds"] = found.to(device)  # (b, c)
+        out = model_logps(
             model,
             mb["input_ids"].to(device),
             mb["attention_mask"].to(device),
             mb["logits_to_keep"],
             **kw,
-        )  # (b, c)
+        )  # (b, c) each
+        if "top_p" not in kw:
+            return out
+        mb["sampling_thresholds"] = out[-1].cpu()  # (b, c)
+        return out[:-1] if return_entropy else out[0]
     ids, pos, where = pack(mb)  # (1, N), (1, N), (M,)
+    cm, where = mb["completion_mask"], where.to(device)
+    if "top_p" in kw and found is not None:  # the prompt's positions: no cut (-inf)
+        flat = torch.full((1, ids.shape[1] - 1), float("-inf"), device=device)  # (1, N - 1)
+        flat[0, where] = found[cm.bool()].to(device)  # row-major, as pack's `where`
+        kw["thresholds"] = flat
     out = model_logps(
         model, ids.to(device), None, ids.shape[1] - 1, position_ids=pos.to(device), **kw
-    )  # (1, N - 1): token j + 1 at j
-    cm, where = mb["completion_mask"], where.to(device)
-    return (
-        (unpack(out[0][0, where], cm), unpack(out[1][0, where], cm))
-        if return_entropy
-        else unpack(out[0, where], cm)
-    )  # (b, c)
+    )  # (1, N - 1) each: token j + 1 at j
+    out = list(out) if isinstance(out, tuple) else [out]
+    out = [unpack(x[0, where], cm) for x in out]  # (b, c) each
+    if "top_p" in kw:
+        mb["sampling_thresholds"] = out.pop().detach().cpu()  # (b, c)
+    return tuple(out) if return_entropy else out[0]
 
 
 def unpack(flat, completion_mask):

@@ -576,16 +576,26 @@ def batch_normalizer(batch, plan, args):
 
 
 @torch.no_grad()
-def batch_logps(model, batch, plan, args, knobs, device):
+def batch_logps(model, batch, plan, args, knobs, device, policy=False):
     """(B, C) log-probs of the sampled tokens, micro-batch by micro-batch (same slices as the
     update, so the numerics match), never holding (B, T, V). Zero-weight repeats keep ranks in
-    step."""
+    step. policy: the sampling policy's, under the distribution that sampled them (--top_p < 1:
+    renormalised over the tokens nucleus sampling kept); the cut of each token, found here, goes
+    to batch["sampling_thresholds"] (B, C) for the update's forwards."""
     out = torch.zeros(batch["completion_mask"].shape, dtype=torch.float32)  # (B, C)
+    cut = torch.zeros_like(out) if policy and args.top_p < 1 else None  # (B, C)
     for idx, mb, weight in micro_batches(batch, plan):
         chunk = knobs.logprob_chunk_size  # 0: logprobs.py's default
-        lp = forward_logps(model, mb, args.temperature, args.packing, device, chunk_size=chunk)
+        top_p = args.top_p if policy else 1.0
+        lp = forward_logps(
+            model, mb, args.temperature, args.packing, device, chunk_size=chunk, top_p=top_p
+        )
         if weight:  # (b, c); packed (one row without padding): the same values
             out[idx, : mb["logits_to_keep"]] = lp.float().cpu()
+            if cut is not None:
+                cut[idx, : mb["logits_to_keep"]] = mb["sampling_thresholds"]
+    if cut is not None:
+        batch["sampling_thresholds"] = cut
     return out
 
 
@@ -598,7 +608,7 @@ def rollout_logps(run, engine, ref, teacher, batch, plan, args):
     batch["old_logps"] = batch["ref_logps"] = old = None
     if args.num_iterations > 1 or cap > 0 or teacher is not None:
         with run.ledger.phase("old_logprobs"):
-            old = batch_logps(engine.module, batch, plan, args, knobs, device)
+            old = batch_logps(engine.module, batch, plan, args, knobs, device, policy=True)
         batch["old_logps"] = old if args.num_iterations > 1 or cap > 0 else None  # ratio 1 else
     if args.beta > 0:
         reference = engine.module if ref is None else ref
@@ -679,7 +689,8 @@ def train_on_batch(engine, batch, plan, args, knobs, normalizer, device, ledger,
             engine.set_gradient_accumulation_boundary(i == len(plan) - 1)  # we decide the step
             # through engine.forward, not engine.module: ZeRO-3 counts micro-steps there, and
             # without that count every backward overwrites (not accumulates) the gradient partitions
-            kw = dict(return_entropy=True, chunk_size=knobs.logprob_chunk_size)
+            # --top_p < 1: under the nucleus, cut where the old pass cut (else found here)
+            kw = dict(return_entropy=True, chunk_size=knobs.logprob_chunk_size, top_p=args.top_p)
             logps, entropy = forward_logps(
                 engine, mb, args.temperature, args.packing, device, **kw
             )  # (b, c)

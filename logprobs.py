@@ -30,6 +30,16 @@ Logit soft-capping (Gemma-2/3's `final_logit_softcapping`): the model's forward 
 lm_head output x into cap * tanh(x / cap), and the sampler divides that by the temperature
 afterwards, so fused_logps scores z = cap * tanh(x / cap) / temperature inside each tile, and
 model_logps reads the cap from the model's config.
+
+Truncated sampling (top_k > 0, top_p < 1): the sampler draws from the tempered distribution
+renormalised over the tokens top-k, then top-p, kept (vLLM's and transformers' order), and
+vLLM's processed log-probs are taken under it. fused_logps / model_logps with top_k / top_p
+score the same: the kept set of each token is {v : z_v >= tau}, tau the smallest tempered logit
+the sampler keeps (truncation_thresholds, one float per token, from full rows of R tokens, no
+grad), and each tile's logits below tau are masked before the online logsumexp, forward and
+backward, so the gradient is that of the renormalised log-prob with the set held fixed. The
+sampled token always counts as kept. thresholds= reuses taus found at an earlier scoring (the
+same set in every micro-batch and iteration); return_thresholds=True hands them back.
 """
 
 import torch
@@ -41,6 +51,12 @@ import torch
 DEFAULT_TILE_ELEMENTS = 2**24
 DEFAULT_CHUNK_SIZE = 2048
 DEFAULT_VOCAB_CHUNK_SIZE = 4096
+# truncation_thresholds sorts full rows: (R, V) fp32 logits, sorted values, int64 indices and
+# a cumulative sum, ~20 bytes per element: 2**22 elements (R = 27 rows at V = 151936) is ~80 MiB
+THRESHOLD_TILE_ELEMENTS = 2**22
+# a logit outside the kept set: finite, so an all-masked tile keeps the online logsumexp
+# finite (exp of it minus any real logit is 0 in fp32 and fp64, and 0 * it is 0, not NaN)
+MASKED = -1e20
 
 
 def _acc(dtype):
@@ -53,6 +69,40 @@ def default_chunk_size(vocab_size):
     return max(1, DEFAULT_TILE_ELEMENTS // vocab_size)
 
 
+def truncation_thresholds(z, top_k=0, top_p=1.0):
+    """(R,) the smallest tempered logit the sampler keeps in each row of z (R, V) fp32: top-k
+    first (every logit >= the k-th largest, ties included), then top-p over the distribution
+    renormalised over those (tokens removed from the least likely up while the removed mass,
+    cumulated in ascending order, is <= 1 - top_p; the most likely always stays), as vLLM 0.32's
+    apply_top_k_top_p_pytorch and transformers' TopK/TopPLogitsWarper. top_k 0 and top_p 1:
+    no truncation (-inf). The kept set is then {v : z_v >= tau}: where the sampler's sort splits
+    a tie at the top-p boundary it keeps part of the tie, this keeps all of it."""
+    V = z.shape[1]
+    if not 0 < top_k < V and top_p >= 1.0:
+        return z.new_full(z.shape[:1], float("-inf"))  # (R,) every token kept
+    s = z.sort(dim=-1).values  # (R, V) ascending
+    if 0 < top_k < V:
+        s = s.masked_fill(s < s[:, V - top_k : V - top_k + 1], float("-inf"))  # (R, V)
+    if top_p < 1.0:
+        cum = s.softmax(-1).cumsum(-1)  # (R, V) the mass at or below each, ascending
+        removed = cum <= 1 - top_p  # (R, V) a prefix: what top-k masked has mass 0
+        removed[:, -1] = False  # the most likely stays
+        s = s.masked_fill(removed, float("-inf"))  # (R, V)
+    first = (s == float("-inf")).sum(-1).clamp(max=V - 1)  # (R,) the first kept, ascending
+    return s.gather(1, first[:, None]).squeeze(1)  # (R,)
+
+
+def _truncate(z, v0, targets, tau):
+    """Masks, in place, each row's logits below its tau (R,) in tile z (C, v), but the target's
+    (the sampled token counts as kept even where rounding put it just below)."""
+    local = (targets - v0).clamp(0, z.shape[1] - 1)[:, None]  # (C, 1)
+    hit = ((targets >= v0) & (targets < v0 + z.shape[1]))[:, None]  # (C, 1)
+    own = z.gather(1, local)  # (C, 1) the target's logit where hit
+    z.masked_fill_(z < tau[:, None], MASKED)  # (C, v)
+    z.scatter_(1, local, torch.where(hit, own, z.gather(1, local)))  # (C, v) the target back
+    return z
+
+
 # ----------------------------------------------------------------------------------
 # Per-tile math shared by selective_log_softmax and fused_logps. A tile z is (C, v):
 # C rows, the vocabulary slice [v0, v0 + v), fp32 logits already soft-capped and divided by
@@ -61,9 +111,9 @@ def default_chunk_size(vocab_size):
 # ----------------------------------------------------------------------------------
 
 
-def _stream_forward(tiles, targets, return_entropy):
+def _stream_forward(tiles, targets, return_entropy, tau=None):
     """tiles: iterable of (v0, z (C, v) fp32, overwritten); targets (C,) -> logp, lse, entropy
-    (C,)."""
+    (C,). tau (C,): each row's logits below it masked (truncated sampling), else None."""
     C = targets.shape[0]
     m = s = a = picked = None
     for v0, z in tiles:
@@ -75,6 +125,8 @@ def _stream_forward(tiles, targets, return_entropy):
         picked += torch.where(
             hit, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0
         )  # (C,)
+        if tau is not None:
+            _truncate(z, v0, targets, tau)  # (C, v)
         m_new = torch.maximum(m, z.amax(1))  # (C,)
         # (C,) rescales the old sums to the new max; 0 on the first tile
         scale = torch.exp(m - m_new)
@@ -271,6 +323,7 @@ class _FusedLogps(torch.autograd.Function):
         chunk_size,
         vocab_chunk_size,
         return_entropy,
+        tau,
     ):
         N = hidden.shape[0]
         logp = torch.empty(N, dtype=_acc(weight.dtype), device=hidden.device)  # (N,)
@@ -279,16 +332,17 @@ class _FusedLogps(torch.autograd.Function):
         for s in range(0, N, chunk_size):
             rows = slice(s, s + chunk_size)
             tiles = _tiles(hidden[rows], weight, bias, temperature, softcap, vocab_chunk_size)
-            logp[rows], lse[rows], ent = _stream_forward(tiles, targets[rows], return_entropy)
+            cut = None if tau is None else tau[rows]  # (C,)
+            logp[rows], lse[rows], ent = _stream_forward(tiles, targets[rows], return_entropy, cut)
             if return_entropy:
                 entropy[rows] = ent
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, tau)
         ctx.sizes = temperature, softcap, chunk_size, vocab_chunk_size
         return (logp, entropy) if return_entropy else logp
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy=None):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy, tau = ctx.saved_tensors
         temperature, softcap, chunk_size, vocab_chunk_size = ctx.sizes
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = lse.dtype
@@ -314,6 +368,8 @@ class _FusedLogps(torch.autograd.Function):
                 dcap = None
                 if softcap:
                     dcap = (z * (temperature / softcap)).square_().neg_().add_(1.0)  # (C, v)
+                if tau is not None:  # the forward's kept set: masked logits get p = 0
+                    _truncate(z, v0, targets[rows], tau[rows])  # (C, v)
                 d = _tile_grad(z, v0, targets[rows], lse[rows], g_logp[rows], ent, g_ent)  # (C, v)
                 if softcap:
                     d.mul_(dcap)  # (C, v) d(loss)/dx
@@ -338,7 +394,21 @@ class _FusedLogps(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def _thresholds(hidden, weight, bias, temperature, softcap, vocab_chunk_size, top_k, top_p):
+    """(N,) truncation_thresholds of every row of hidden (N, H), R rows of full logits at a time."""
+    R = max(1, THRESHOLD_TILE_ELEMENTS // weight.shape[0])
+    out = torch.empty(hidden.shape[0], dtype=_acc(weight.dtype), device=hidden.device)  # (N,)
+    with torch.no_grad():
+        for s in range(0, hidden.shape[0], R):
+            tiles = _tiles(hidden[s : s + R], weight, bias, temperature, softcap, vocab_chunk_size)
+            z = torch.cat([t for _, t in tiles], 1)  # (R, V)
+            out[s : s + R] = truncation_thresholds(z, top_k, top_p)
+            del z
+    return out
 
 
 def fused_logps(
@@ -351,6 +421,10 @@ def fused_logps(
     return_entropy=False,
     vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE,
     softcap=None,
+    top_k=0,
+    top_p=1.0,
+    thresholds=None,
+    return_thresholds=False,
 ):
     """log_softmax((hidden @ weight.T + bias) / temperature)[targets] without the (N, V) logits.
 
@@ -365,6 +439,11 @@ def fused_logps(
     softcap: Gemma-2/3's final_logit_softcapping. The logits x = hidden @ weight.T + bias
     become cap * tanh(x / cap) before the temperature divides them, as the model's forward
     and then the sampler apply them; None or 0 leaves them alone.
+
+    top_k > 0 or top_p < 1: the log-prob (and entropy) under the distribution renormalised over
+    the kept set {v : z_v >= tau} (module docstring); tau from thresholds (shaped as targets;
+    -inf: no truncation) when given, else truncation_thresholds of these logits. With
+    return_thresholds the taus (shaped as targets; None without truncation) come last.
     """
     lead = hidden.shape[:-1]
     if targets.shape != lead:
@@ -380,20 +459,32 @@ def fused_logps(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if softcap is not None and softcap < 0:
         raise ValueError(f"softcap must be > 0 (or None / 0 for none), got {softcap}")
+    if not (0 < top_p <= 1) or top_k < 0:
+        raise ValueError(f"top_p must be in (0, 1] and top_k >= 0, got {top_p}, {top_k}")
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    vocab_chunk_size = vocab_chunk_size or DEFAULT_VOCAB_CHUNK_SIZE
+    tau = None
+    if thresholds is not None:
+        tau = thresholds.reshape(-1).to(device=hidden.device, dtype=_acc(weight.dtype))  # (N,)
+    elif top_k > 0 or top_p < 1:
+        how = (float(temperature), float(softcap or 0.0), vocab_chunk_size, top_k, top_p)
+        tau = _thresholds(flat.detach(), weight.detach(), bias, *how)  # (N,)
     out = _FusedLogps.apply(
-        hidden.reshape(-1, hidden.shape[-1]),
+        flat,
         weight,
         bias,
         targets.reshape(-1),
         float(temperature),
         float(softcap or 0.0),
         chunk_size or DEFAULT_CHUNK_SIZE,
-        vocab_chunk_size or DEFAULT_VOCAB_CHUNK_SIZE,
+        vocab_chunk_size,
         return_entropy,
+        tau,
     )
-    if return_entropy:
-        return out[0].view(lead), out[1].view(lead)
-    return out.view(lead)
+    out = [x.view(lead) for x in (out if return_entropy else (out,))]
+    if return_thresholds:
+        out.append(None if tau is None else tau.view(lead))
+    return tuple(out) if len(out) > 1 else out[0]
 
 
 # ----------------------------------------------------------------------------------
@@ -412,6 +503,10 @@ def model_logps(
     vocab_chunk_size=DEFAULT_VOCAB_CHUNK_SIZE,
     position_ids=None,
     softcap=None,
+    top_k=0,
+    top_p=1.0,
+    thresholds=None,
+    return_thresholds=False,
 ):
     """Log-probs (B, K) fp32 of input_ids[:, -K:] (and entropies (B, K)) through fused_logps.
 
@@ -435,6 +530,9 @@ def model_logps(
     cap is set to None for the call, so the model does not also tanh the log-probs that its
     lm_head now returns, and put back on every exit path. softcap=None takes the config's
     cap (none when it has none); a number overrides it, 0 scores without one.
+
+    top_k, top_p, thresholds (B, K), return_thresholds: fused_logps's, for truncated sampling;
+    the taus (B, K) come last (None without truncation).
     """
     _check_keep(input_ids, attention_mask, logits_to_keep)
     if position_ids is None:
@@ -457,6 +555,9 @@ def model_logps(
     K = logits_to_keep
     targets = input_ids[:, -K:]  # (B, K)
 
+    truncated = top_k > 0 or top_p < 1 or thresholds is not None
+    cut = dict(top_k=top_k, top_p=top_p, thresholds=thresholds, return_thresholds=truncated)
+
     # (B, K + 1, H) when the model honours logits_to_keep, else (B, T, H)
     def fused_forward(hidden_states):
         h = hidden_states[:, -K - 1 : -1]  # (B, K, H) position t predicts token t + 1
@@ -470,9 +571,10 @@ def model_logps(
             return_entropy,
             vocab_chunk_size,
             softcap,
+            **cut,
         )
-        # (B, K, 2) or (B, K): one tensor for the hooks
-        return torch.stack(out, -1) if return_entropy else out
+        # (B, K, 1 to 3) or (B, K): one tensor for the hooks; the taus carry no gradient
+        return torch.stack(out, -1) if isinstance(out, tuple) else out
 
     # an instance-level forward (e.g. a wrapper's) to put back
     saved = lm_head.__dict__.get("forward")
@@ -494,4 +596,8 @@ def model_logps(
             lm_head.forward = saved
         if own_cap is not None:
             config.final_logit_softcapping = own_cap
-    return (out[..., 0], out[..., 1]) if return_entropy else out
+    n = 1 + return_entropy + truncated  # the stacked outputs
+    parts = [out[..., i] for i in range(n)] if n > 1 else [out]
+    tau = parts.pop().detach() if truncated else None  # (B, K)
+    parts += [tau] if return_thresholds else []
+    return tuple(parts) if len(parts) > 1 else parts[0]

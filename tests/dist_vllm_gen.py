@@ -2,8 +2,9 @@
 Run by tests/test_generation.py; argv: model_dir out_dir. Rank 0 prints "OK <name>" per check.
 
 The engine is started from a save_hf checkpoint of a ZeRO-3 engine (so vLLM loading it is checked
-too); then vllm_batch_size batching, HF == vLLM greedy, sampler logprobs, weight sync after a
-training step, seeded sampling of more prompt tokens than one scheduler step, sleep/wake.
+too); then vllm_batch_size batching, HF == vLLM greedy, sampler logprobs (also under top-k and
+top-p, against the trainer's truncated log-probs), weight sync after a training step, seeded
+sampling of more prompt tokens than one scheduler step, sleep/wake.
 """
 
 import os
@@ -107,6 +108,26 @@ def main(model_dir, out_dir):
         )
         assert (ids[n:] == tok.pad_token_id).all()
     ok(f"sampler logprobs match HF (max diff {worst:.1e})")
+
+    # top-k and top-p: vLLM's processed log-probs are under the distribution renormalised over
+    # the tokens it kept; model_logps with the same cut scores the same (fp32), the full softmax
+    # is off by the kept mass
+    from logprobs import model_logps
+
+    cut = dict(temperature=0.9, top_k=20, top_p=0.8)
+    smp = gen.generate(prompts, num_generations=2, max_new_tokens=8, **cut)
+    worst = full_gap = 0.0
+    for i, (ids, mask, lp) in enumerate(zip(smp.completion_ids, smp.completion_mask, smp.logprobs)):
+        n, p = int(mask.sum()), prompts[i // 2]
+        seq = torch.tensor([p + ids[:n].tolist()])
+        with torch.no_grad():
+            mine = model_logps(plain, seq, torch.ones_like(seq), n, **cut)[0]  # (n,)
+            full = model_logps(plain, seq, torch.ones_like(seq), n, temperature=0.9)[0]  # (n,)
+        worst = max(worst, (mine - lp[:n]).abs().max().item())
+        full_gap = max(full_gap, (full - lp[:n]).abs().max().item())
+    assert worst < 1e-4, f"trainer's truncated logprobs differ from vLLM's by {worst}"
+    assert full_gap > 0.05, full_gap  # the bias the cut removes
+    ok(f"top-k/top-p: trainer == vLLM (max diff {worst:.1e}; full softmax {full_gap:.2f})")
 
     # weight sync: train a step, stream the new weights into vLLM, greedy outputs agree again
     batch = torch.tensor([tok("hello world, hello world")["input_ids"]])

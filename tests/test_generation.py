@@ -52,7 +52,8 @@ def test_zero3_generation(tiny_model, tiny_tied_model, tmp_path):
 def test_vllm_generation(tiny_model, tmp_path):
     """One vLLM engine per rank, started from a save_hf checkpoint: vllm_batch_size=3 on 10 prompts
     == one call (ranks with 4 and 3 batches), HF greedy == vLLM greedy, sampler logprobs == HF
-    log-softmax, weight sync after a training step, sleep (generate refuses until a sync)."""
+    log-softmax (under top-k/top-p: == the trainer's truncated log-probs), weight sync after a
+    training step, sleep (generate refuses until a sync)."""
     proc = torchrun("tests/dist_vllm_gen.py", tiny_model, tmp_path)
     assert proc.stdout.count("DONE") == 2, proc.stdout[-3000:]
 

@@ -4,7 +4,7 @@
   per-phase memory); resume after kill -9 is tests/test_checkpoint.py's; then a teacher, with one
   held-out prompt for two ranks.
 - ZeRO-2, vLLM generation with weight sync, reference model (beta > 0), num_iterations 2,
-  truncated importance sampling, loss_type grpo.
+  truncated importance sampling, loss_type grpo, nucleus sampling (top_p 0.8).
 - Two nodes on loopback (two launches with NNODES=2), ZeRO-3 sharded generation, token-budget
   micro-batches packed into rows (--packing), loss_type dr_grpo, JSONL data with reward functions
   given as module:function.
@@ -93,6 +93,8 @@ def test_zero2_vllm_reference_iterations(tmp_path):
         "0.5",
         "--loss_type",
         "grpo",
+        "--top_p",  # nucleus sampling: the trainer scores under the nucleus vLLM sampled from
+        "0.8",
         "--save_model",
         "False",
         env={"RUN_DIR": str(tmp_path / "r"), "DS_CONFIG": "configs/zero2.json"},
@@ -105,7 +107,8 @@ def test_zero2_vllm_reference_iterations(tmp_path):
     for r in rows:
         assert r["kl"] > 0  # the second iteration has moved away from the reference
         assert r["ratio"] != 1.0  # ... and from the old policy
-        # weights synced into vLLM: its log-probs of its own samples match the trainer's
+        # weights synced into vLLM: its log-probs of its own samples match the trainer's (both
+        # under the nucleus: the full softmax puts the gap near -log 0.8 = 0.22)
         assert r["vllm_is_ratio"] == pytest.approx(1.0, abs=1e-3)
         assert r["vllm_is_outside_seqs"] == r["vllm_is_outside_tokens"] == 0.0  # none masked
     conftest.assert_vllm_holds_trainer_weights(rows)

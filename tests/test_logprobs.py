@@ -7,6 +7,7 @@ themselves are bf16), gradients within 2e-2 relative to their max. Soft-capping 
 in fp64 (within 1e-10), where only the order of summation differs from the reference.
 """
 
+import math
 import os
 
 import pytest
@@ -21,12 +22,14 @@ from transformers import (
 )
 
 from conftest import ROOT, torchrun
+from generation import Generations
 from logprobs import (
     fused_logps,
     model_logps,
     per_token_logps,
     positions_from_mask,
     selective_log_softmax,
+    truncation_thresholds,
 )
 
 
@@ -357,6 +360,102 @@ def test_fused_logps_rejects_bad_input():
         fused_logps(hidden, weight, targets, temperature=0)
 
 
+# ---------------------------------------------------------------- truncated sampling (top-k, top-p)
+def naive_kept(z, top_k, top_p):
+    """(R, V) bool: the tokens top-k, then top-p keep, one row and one token at a time."""
+    kept = torch.zeros(z.shape, dtype=torch.bool)
+    for r, row in enumerate(z.double().tolist()):
+        order = sorted(range(len(row)), key=lambda v: -row[v])  # most likely first
+        if top_k:
+            order = [v for v in order if row[v] >= row[order[top_k - 1]]]
+        total = sum(math.exp(row[v]) for v in order)
+        for i, v in enumerate(order):
+            kept[r, v] = True
+            # the mass of the tokens kept so far reaches top_p: the rest (less likely) go
+            if sum(math.exp(row[u]) for u in order[: i + 1]) / total >= top_p:
+                break
+    return kept
+
+
+def naive_truncated(logits, targets, kept):
+    """Log-probs and entropies under the distribution renormalised over `kept` (R, V)."""
+    # -1e4, not -inf: exp of it is 0 all the same, and no 0 * inf turns a gradient into NaN
+    return naive_from_logits(logits.masked_fill(~kept, -1e4), targets)
+
+
+CUTS = [(0, 0.8), (5, 1.0), (9, 0.6), (0, 0.3)]  # (top_k, top_p)
+
+
+@pytest.mark.parametrize("top_k,top_p", CUTS)
+def test_truncation_thresholds_keep_what_the_samplers_keep(top_k, top_p):
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    z = torch.randn(40, 53, generator=torch.Generator().manual_seed(3)) * 2  # (R, V)
+    tau = truncation_thresholds(z, top_k, top_p)  # (R,)
+    kept = z >= tau[:, None]  # (R, V)
+    assert torch.equal(kept, naive_kept(z, top_k, top_p))
+    R = z.shape[0]
+    k = torch.full((R,), top_k) if top_k else None
+    p = torch.full((R,), top_p) if top_p < 1 else None
+    vllm = apply_top_k_top_p_pytorch(z.clone(), k, p) > float("-inf")  # (R, V)
+    assert torch.equal(kept, vllm)
+    hf = z.clone()
+    for warper in ([TopKLogitsWarper(top_k)] if top_k else []) + [TopPLogitsWarper(top_p)]:
+        hf = warper(None, hf)
+    assert torch.equal(kept, hf > float("-inf"))
+    assert torch.equal(truncation_thresholds(z), torch.full((R,), float("-inf")))  # no cut
+
+
+@pytest.mark.parametrize("top_k,top_p", CUTS)
+@pytest.mark.parametrize("chunk_size,vocab_chunk_size", [(None, None), (5, 7), (37, 10)])
+def test_fused_logps_truncated_values_entropy_and_grads(top_k, top_p, chunk_size, vocab_chunk_size):
+    hidden, weight, b, targets = make_head()
+    inputs, T = [hidden, weight, b], 0.7
+    with torch.no_grad():
+        z = (hidden @ weight.t() + b) / T  # (N, V)
+        kept = naive_kept(z, top_k, top_p)
+        targets = torch.multinomial(z.masked_fill(~kept, float("-inf")).softmax(-1), 1)[:, 0]
+    ref_lp, ref_ent = naive_truncated((hidden @ weight.t() + b) / T, targets, kept)
+    kw = dict(bias=b, temperature=T, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+    logp, ent, tau = fused_logps(
+        hidden, weight, targets, **kw, return_entropy=True, top_k=top_k, top_p=top_p,
+        return_thresholds=True,
+    )  # fmt: skip
+    close(logp, ref_lp, 1e-5)
+    close(ent, ref_ent, 1e-5)
+    g = torch.randn(len(targets), generator=torch.Generator().manual_seed(2))
+    fa = torch.autograd.grad((logp * g).sum() - 0.3 * ent.sum(), inputs)
+    fr = torch.autograd.grad((ref_lp * g).sum() - 0.3 * ref_ent.sum(), inputs)
+    for a, r in zip(fa, fr):
+        close(a, r, 1e-5)
+    # the taus found once are the cut later: on the same weights the same log-probs; with the
+    # weights moved, the moved logits over {z >= tau} and the sampled token
+    close(fused_logps(hidden, weight, targets, **kw, thresholds=tau), logp, 0)
+    moved = weight + 0.05 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(4))
+    again = fused_logps(hidden, moved, targets, **kw, thresholds=tau)
+    z_moved = (hidden @ moved.t() + b) / T  # (N, V)
+    sampled = torch.nn.functional.one_hot(targets, z.shape[1]).bool()  # (N, V)
+    close(again, naive_truncated(z_moved, targets, (z_moved >= tau[:, None]) | sampled)[0], 1e-5)
+    full = fused_logps(hidden, weight, targets, **kw, thresholds=torch.full_like(tau, -math.inf))
+    close(full, naive_head(hidden, weight, b, targets, T)[0], 1e-5)  # -inf: no cut
+
+
+def test_fused_logps_truncated_gradcheck_fp64_and_sampled_token_kept():
+    hidden, weight, b, targets = make_head(N=6, H=5, V=7, dtype=torch.float64)
+    fn = lambda h, w, bb: torch.cat(  # noqa: E731
+        fused_logps(h, w, targets, bb, 0.9, chunk_size=4, return_entropy=True,
+                    vocab_chunk_size=3, top_p=0.7, top_k=5)
+    )  # fmt: skip
+    assert torch.autograd.gradcheck(fn, (hidden, weight, b))
+    # a target outside the kept set (rounding between sampler and trainer) still counts as kept
+    z = (hidden @ weight.t() + b).detach()  # (N, V)
+    low = z.argmin(1)  # (N,) never kept at top_p 0.5
+    logp = fused_logps(hidden, weight, low, b, top_p=0.5)
+    kept = naive_kept(z, 0, 0.5) | torch.nn.functional.one_hot(low, z.shape[1]).bool()
+    close(logp, naive_truncated(z, low, kept)[0], 1e-10)
+
+
 # ---------------------------------------------------------------- model-level functions
 
 
@@ -443,6 +542,44 @@ def test_model_logps_packed_rows_match_padded(model):
     packed = model_logps(model, row, None, 15, position_ids=pos)  # (1, 15): target j + 1 at index j
     close(packed[0, 4:9], padded[0], 1e-5)
     close(packed[0, 10:15], padded[1], 1e-5)
+
+
+def test_forward_logps_top_p_padded_packed_and_reused(model):
+    """batching.forward_logps at --top_p 0.8: the naive truncated log-probs from full logits,
+    padded and packed alike; the cut it finds goes to mb and a later forward reuses it."""
+    from batching import forward_logps, make_batch, micro_slice
+
+    g = torch.Generator().manual_seed(5)
+    completions = torch.randint(3, model.config.vocab_size, (3, 6), generator=g)  # (3, 6)
+    cmask = torch.ones_like(completions)
+    cmask[2, 4:] = 0  # the third ended early
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    b = make_batch(prompts, Generations(completions * cmask, cmask), 0)
+    full = {}
+    for packing in (False, True):
+        mb = micro_slice(b, torch.arange(3))
+        lp = forward_logps(model, mb, 0.9, packing, "cpu", top_p=0.8).detach()  # (3, c)
+        full[packing] = (lp, mb["sampling_thresholds"])
+    cm = mb["completion_mask"].bool()  # (3, c) the completion tokens
+    for a, r in zip(full[True], full[False]):
+        close(a * cm, r * cm, 1e-5)
+    mb = micro_slice(b, torch.arange(3))
+    c, am = mb["logits_to_keep"], mb["attention_mask"]
+    with torch.no_grad():
+        logits = (
+            model(
+                input_ids=mb["input_ids"], attention_mask=am, position_ids=positions_from_mask(am)
+            ).logits[:, -c - 1 : -1]
+            / 0.9
+        )
+    z = logits.reshape(-1, logits.shape[-1])  # (3 * c, V)
+    targets = mb["input_ids"][:, -c:].reshape(-1)  # (3 * c,) not sampled: often outside
+    kept = naive_kept(z, 0, 0.8) | torch.nn.functional.one_hot(targets, z.shape[1]).bool()
+    ref, _ = naive_truncated(z, targets, kept)  # the token scored always counts as kept
+    close(full[False][0] * cm, ref.view(3, c) * cm, 1e-5)
+    mb["sampling_thresholds"] = full[False][1] + 1e-3  # a cut of its own: it is the one used
+    again = forward_logps(model, mb, 0.9, False, "cpu", top_p=0.8).detach()
+    assert ((again - full[False][0]).abs() * cm).max() > 1e-4
 
 
 def test_model_logps_restores_lm_head_on_error(model):
