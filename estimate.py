@@ -416,17 +416,19 @@ def _knob_changes(kw):
     return out
 
 
-def knobs_to_fit(model_config, device_gb, **kw):
-    """Greedy: apply the single change that lowers the highest phase most, until it fits in
-    device_gb (or nothing helps). Returns [(change, highest GB after it)]."""
+def _defaults():
+    """estimate_memory's keyword arguments as it defaults them."""
     import inspect
 
-    defaults = {
-        k: v.default
-        for k, v in inspect.signature(estimate_memory).parameters.items()
-        if k != "model_config"
-    }
-    kw = {**defaults, **kw, "device_gb": device_gb, "model_config": model_config}
+    params = inspect.signature(estimate_memory).parameters.items()
+    return {k: v.default for k, v in params if k != "model_config"}
+
+
+def knobs_to_fit(model_config, device_gb, **kw):
+    """Greedy: apply the single change that lowers the highest phase most, until it fits in
+    device_gb (or nothing helps). Returns [(change, highest GiB after it)], each change as this
+    file's CLI flag ("--offload_optimizer True", "--micro_batch_size 4")."""
+    kw = {**_defaults(), **kw, "device_gb": device_gb, "model_config": model_config}
     top, steps = max(estimate_memory(**kw)["phases"].values()), []
     while top > device_gb * GB:
         tried = [
@@ -437,27 +439,27 @@ def knobs_to_fit(model_config, device_gb, **kw):
         if best is None or best[0] >= top:
             break
         top, label, kw = best
-        steps.append((label, top / GB))
+        steps.append((f"--{label}" + ("" if " " in label else " True"), top / GB))
     return steps
 
 
-def format_table(est, device_gb=None):
-    rows = [f"{'phase':<16}{'GB/GPU':>9}"] + [
-        f"{k:<16}{v / GB:>9.2f}" for k, v in est["phases"].items()
+def format_table(est, device_gb=None, per="GPU"):
+    """The phases and pieces in GiB (2**30 bytes, the unit of --device_gb and the loops' --gpu_gb
+    and --memory_budget_gb) per GPU (per="rank": a CPU rank's process), and the highest phase
+    against device_gb when given."""
+    rows = [f"{'phase':<16}{'GiB/' + per:>10}"] + [
+        f"{k:<16}{v / GB:>10.2f}" for k, v in est["phases"].items()
     ]
-    rows += ["", f"{'piece':<20}{'GB':>9}"] + [
-        f"{k:<20}{v / GB:>9.2f}" for k, v in est["pieces"].items() if v
+    rows += ["", f"{'piece':<20}{'GiB':>10}"] + [
+        f"{k:<20}{v / GB:>10.2f}" for k, v in est["pieces"].items() if v
     ]
+    top = est["phases"][est["highest"]]
+    verdict = ""
+    if device_gb:
+        verdict = f" ({'fits' if top <= device_gb * GB else 'OVER'} {device_gb:g} GiB per {per})"
     rows.append(
         f"parameters {est['params'] / 1e9:.3f} B; offloaded to CPU per rank {est['cpu'] / GB:.1f} "
-        "GB; "
-        f"highest phase: {est['highest']}"
-        + (
-            f" ({'fits' if est['phases'][est['highest']] <= device_gb * GB else 'OVER'} "
-            f"{device_gb} GB)"
-            if device_gb
-            else ""
-        )
+        f"GiB; highest phase: {est['highest']}{verdict}"
     )
     return "\n".join(rows)
 
@@ -535,16 +537,79 @@ def main(argv=None):
     print_estimate(a.model, a.device_gb, **kw)
 
 
+def describe(kw):
+    """What an estimate assumes, in words: {part: text} in the order a line prints them (kw:
+    estimate_memory's keyword arguments; those left out at its defaults)."""
+    kw = {**_defaults(), **kw}
+    z, W = kw["zero_stage"], kw["world_size"]
+    offloaded = [n for n in ("optimizer", "params") if kw[f"offload_{n}"]]
+    prompt = kw["seq_len"] - kw["completion_len"]
+    if kw["vllm_server"]:
+        gen = "a vLLM server on GPUs of its own"
+    elif kw["use_vllm"] and kw["vllm_bytes"] is not None:  # on CPU: what the engine holds
+        gen = f"colocated vLLM, {kw['vllm_bytes'] / GB:.1f} GiB"
+    elif kw["use_vllm"]:
+        gen = f"colocated vLLM, {kw['gpu_memory_utilization']:g} of the GPU"
+        gen += ", asleep outside the rollout" if kw["vllm_sleep"] else ""
+    else:
+        seqs = min(kw["generation_batch_size"], kw["prompts_per_rank"] * kw["num_generations"])
+        resident = kw["generation_resident_bytes"] / GB
+        mode = (
+            "the model gathered"
+            if kw["gather_for_generation"] or z != 3
+            else f"{resident:g} GiB kept gathered"
+            if resident
+            else "layer by layer"
+        )
+        gen = f"HF generate, {seqs} sequences per call, {mode}"
+    frozen = [
+        name
+        for name, on in (
+            ("reference", kw["reference_model"]),
+            ("critic", kw["critic_config"] is not None),
+            ("reward model", kw["reward_config"] is not None),
+            ("teacher", kw.get("teacher_config") is not None),
+        )
+        if on
+    ]
+    out = {
+        "gpus": f"{W} GPU{'s' if W > 1 else ''}",
+        "gpu_gb": f"{kw['device_gb']:g} GiB per GPU",
+        "dtype": "bf16 (fp32 master weights)" if kw["dtype"] != "fp32" else "fp32",
+        "zero": f"ZeRO-{z}" + (f" ({' and '.join(offloaded)} on the host)" if offloaded else ""),
+        "tokens": f"prompt {prompt} + completion {kw['completion_len']} tokens",
+        "batch": f"{kw['prompts_per_rank']} prompt{'s' if kw['prompts_per_rank'] > 1 else ''} x "
+        f"{kw['num_generations']} completions per rank",
+        "micro_batch": f"micro-batch {kw['micro_batch_size']}",
+        "checkpointing": "gradient checkpointing"
+        if kw["gradient_checkpointing"]
+        else "no gradient checkpointing",
+        "generation": f"generation: {gen}",
+    }
+    if kw["trainable_params"] is not None:
+        out["lora"] = f"{kw['trainable_params'] / 1e6:.1f} M trained parameters (LoRA)"
+    if frozen:
+        out["models"] = "beside the policy: " + ", ".join(frozen)
+    return out
+
+
 def print_estimate(model_config, device_gb, **kw):
-    """The per-phase table and, when over device_gb, the changes that bring it under."""
+    """What it assumes (one line), the per-phase table and, when over device_gb, the flags that
+    bring it under."""
     est = estimate_memory(model_config, device_gb=device_gb, **kw)
+    print("assumes: " + ", ".join(describe({**kw, "device_gb": device_gb}).values()))
     print(format_table(est, device_gb))
     if est["phases"][est["highest"]] > device_gb * GB:
         steps = knobs_to_fit(model_config, device_gb, **kw)
         fits = steps and steps[-1][1] <= device_gb
         print(
-            ("to fit in %g GB: " % device_gb if fits else "still over %g GB after: " % device_gb)
-            + (" then ".join(f"{label} ({gb:.1f} GB)" for label, gb in steps) or "no knob helps")
+            (f"to fit in {device_gb:g} GiB per GPU, add: " if fits else "still over after: ")
+            + (" ".join(flag for flag, _ in steps) or "no flag of this estimate helps")
+            + (
+                " (highest phase after each: " + ", ".join(f"{gb:.1f}" for _, gb in steps) + " GiB)"
+                if steps
+                else ""
+            )
         )
     return est
 

@@ -4,8 +4,8 @@ never change the update from the ledger's measured peaks. Shared by grpo.py and 
 
     from fit import KnobAdapter, estimate_run_memory, fit_for_gpu, fit_to_budget
     models = {"reference": True}                 # what the loop builds beside the policy
-    estimate_run_memory(args, models)            # --estimate_memory: the per-phase table
-    knobs, phases = fit_for_gpu(args, world, models, 80)   # on paper: an 80 GB GPU's knobs
+    estimate_run_memory(args, models)            # --estimate_memory: its assumptions, the table
+    knobs, phases = fit_for_gpu(args, world, models, 80)   # on paper: an 80 GiB GPU's knobs
     knobs, phases = fit_to_budget(args, world, models, say)  # pre-flight: Knobs, or exit 2
     adapter = KnobAdapter(args, knobs)           # after each step, on every rank:
     for row in adapter.after_step(ledger.step, step + 1):  # a collective: ranks agree
@@ -33,6 +33,7 @@ This file imports checks, logprobs, memory, tasks, tiny_models and zero3_utils (
 needs the run's arguments; estimate.py stays a pure estimate).
 """
 
+import copy
 import os
 from dataclasses import dataclass, fields
 
@@ -40,14 +41,7 @@ import torch
 import torch.distributed as dist
 
 from checks import RunError, check_model_path, read_ds_json, training_dtype
-from estimate import (
-    PRESETS,
-    estimate_memory,
-    format_table,
-    lora_params,
-    model_shape,
-    print_estimate,
-)
+from estimate import PRESETS, describe, estimate_memory, format_table, lora_params, model_shape
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
 from memory import GB
 from tasks import TASK_CHARS
@@ -143,7 +137,10 @@ def _config_for(path, flag):
         config = path
     else:  # a cached hub id (its config, no weights needed), or a path that is not there
         try:
-            config = check_model_path(path, flag, need_weights=False)
+            if os.path.isdir(path) or path.startswith((".", "/", "~")) or path.count("/") > 1:
+                config = check_model_path(path, flag, need_weights=False)
+            else:
+                config = _cached_config(path, flag)
         except RunError as e:
             raise RunError(
                 f"{e}; --estimate_memory also takes a config.json or a preset: {', '.join(PRESETS)}"
@@ -153,6 +150,24 @@ def _config_for(path, flag):
     except (ValueError, OSError) as e:
         raise RunError(f"--estimate_memory {flag} {path}: {e}") from None
     return config
+
+
+def _cached_config(hub_id, flag):
+    """A hub id's config.json in this machine's Hugging Face cache (its path), looked up on disk
+    only (huggingface_hub.try_to_load_from_cache): the estimate needs no weights, and never waits
+    on a network (the hub client retries a missing one for ~25 s)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(hub_id, "config.json")
+    except ValueError:  # not a valid hub id (huggingface_hub's HFValidationError)
+        found = None
+    if not isinstance(found, str):  # None, or the cache's note that the file does not exist
+        raise RunError(
+            f"{flag} {hub_id}: not in this machine's Hugging Face cache, and the estimate reads "
+            f"only the cache; fetch its config first (`hf download {hub_id} config.json`)"
+        )
+    return found
 
 
 def estimate_kwargs(args, world, models, knobs=None, gpu_gb=0.0):
@@ -217,26 +232,147 @@ def estimate_kwargs(args, world, models, knobs=None, gpu_gb=0.0):
     return kw
 
 
-def estimate_run_memory(args, models):
-    """--estimate_memory: estimate.py's predicted peak per phase and per GPU for these args; with
-    --gpu_gb, the knobs the fitter picks on a GPU of that size (fit_for_gpu) and their estimate."""
+def estimate_run_memory(args, models, say=print):
+    """--estimate_memory: one line of what the estimate assumes (assumptions), then estimate.py's
+    predicted peak per phase for these args; with --gpu_gb, the flags the fitter sets on a GPU of
+    that size (fit_for_gpu) and their estimate; on a GPU without it, the same for this GPU when
+    the flags as given are over it. GiB: 2**30 bytes, the unit of --gpu_gb."""
     world = int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available()
+    kw = estimate_kwargs(args, world, models, gpu_gb=args.gpu_gb)
+    say(assumptions(args, kw, world, gpu=bool(args.gpu_gb or cuda)))
+    if args.model and not args.recipe:
+        say(
+            "note: --model without --recipe takes the loop's own defaults, made for the built-in "
+            "tiny task; MODEL=<model> bash run.sh adds --recipe pretrained (--help lists its "
+            "values): add --recipe pretrained here for that run's answer"
+        )
     if args.gpu_gb:
-        return fit_for_gpu(args, world, models, args.gpu_gb)
-    kw = estimate_kwargs(args, world, models)
-    return print_estimate(kw.pop("model_config"), kw.pop("device_gb"), **kw)
+        return fit_for_gpu(args, world, models, args.gpu_gb, say)
+    est = estimate_memory(**kw)
+    say(format_table(est, kw["device_gb"] if cuda else None, "GPU" if cuda else "rank"))
+    if cuda and max(est["phases"].values()) > kw["device_gb"] * GB:
+        try:  # what the run's pre-flight would set on this GPU
+            fit_for_gpu(args, world, models, kw["device_gb"], say, table=False)
+        except RunError as e:
+            say(str(e))
+    elif not cuda:
+        say(
+            "CPU: a rank's resident set less the ~0.5 GiB runtime (the run's pre-flight adds it "
+            "and fits the flags to MemAvailable / ranks); --gpu_gb N answers for a GPU of N GiB"
+        )
+    return est
 
 
-def fit_for_gpu(args, world, models, gpu_gb, say=print):
+def assumptions(args, kw, world, gpu=True):
+    """The line --estimate_memory starts with: GPUs per node and nodes (run.sh's LOCAL_WORLD_SIZE
+    and WORLD_SIZE), GiB per GPU, dtype, recipe, DeepSpeed config, lengths, batch, micro-batch,
+    generation mode (estimate.describe for kw, estimate_kwargs' for these args)."""
+    local = max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE") or world)))
+    nodes = max(1, world // local)
+    d, unit = describe(kw), "GPU" if gpu else "CPU rank"
+    if args.gpu_gb:
+        where = f"{args.gpu_gb:g} GiB per GPU (--gpu_gb)"
+    elif gpu:
+        where = f"{kw['device_gb']:.1f} GiB per GPU (this machine's)"
+    else:
+        where = "no GPU (--gpu_gb N: on paper for one of N GiB)"
+    if args.recipe:
+        recipe = f"recipe {args.recipe}"
+    else:
+        recipe = "no recipe: the loop's defaults" + ("" if args.model else " (the built-in task)")
+    micro = d["micro_batch"] + (
+        f" (--max_tokens_per_microbatch {args.max_tokens_per_microbatch})"
+        if args.max_tokens_per_microbatch
+        else ""
+    )
+    plural = lambda n: "s" if n > 1 else ""  # noqa: E731
+    parts = [
+        f"{local} {unit}{plural(local)} per node x {nodes} node{plural(nodes)}",
+        where,
+        d["dtype"],
+        recipe,
+        f"{d['zero']} ({args.ds_config})",
+        d["tokens"],
+        d["batch"],
+        micro,
+        d["checkpointing"],
+        d["generation"],
+    ]
+    parts += [d[k] for k in ("lora", "models") if k in d]
+    return "estimate for: " + ", ".join(parts)
+
+
+def fit_for_gpu(args, world, models, gpu_gb, say=print, table=True):
     """On paper, for a GPU of gpu_gb that this machine need not have: the knobs the fitter picks
     (under --memory_budget_gb, else the whole device) and the estimate's phases with them (bf16
-    unless --dtype fp32, no CPU runtime). Nothing fits: a RunError with the closest."""
+    unless --dtype fp32, no CPU runtime). Nothing fits: a RunError with the closest flags, and
+    what fits instead on paper (the host-offload config, more GPUs: what_fits)."""
     knobs = Knobs.given(args)
+    if knobs.memory_budget_gb:
+        source = f"--memory_budget_gb {knobs.memory_budget_gb:g} on a {gpu_gb:g} GiB GPU"
+    elif args.gpu_gb == gpu_gb:
+        source = f"--gpu_gb {gpu_gb:g}"
+    else:
+        source = f"this GPU's {gpu_gb:.1f} GiB"
     knobs.memory_budget_gb = knobs.memory_budget_gb or gpu_gb
     try:
-        return knobs, _fit(args, knobs, world, models, 0, say, gpu_gb)
+        return knobs, _fit(args, knobs, world, models, 0, say, gpu_gb, source, table)
     except RunError as e:
-        raise RunError(f"--gpu_gb {gpu_gb}: {e}") from None
+        instead = what_fits(args, world, models, gpu_gb)
+        raise RunError(f"{e} {instead}" if instead else str(e)) from None
+
+
+def what_fits(args, world, models, gpu_gb):
+    """Where nothing fits a GPU of gpu_gb: the same run on paper with configs/zero3_offload.json
+    (optimizer and parameters on the host), and on the fewest GPUs (doubling, up to 1024) that fit
+    with the config given; one sentence, "" if neither fits."""
+    offload = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+    offload = os.path.join(offload, "zero3_offload.json")
+    quiet, found = (lambda s: None), []
+
+    def fitted(a, w):  # (the flags the fit set, the host GiB per rank) or None
+        knobs = Knobs.given(a)
+        knobs.memory_budget_gb = knobs.memory_budget_gb or gpu_gb
+        try:
+            _fit(a, knobs, w, models, 0, quiet, gpu_gb, table=False)
+        except RunError:
+            return None
+        kw = estimate_kwargs(a, w, models, knobs, gpu_gb)
+        moved = [f.name for f in fields(Knobs) if getattr(knobs, f.name) != getattr(given, f.name)]
+        moved = [k for k in moved if k != "memory_budget_gb"]
+        return _flags(knobs, moved), estimate_memory(**kw)["cpu"] / GB
+
+    given = Knobs.given(args)
+    if os.path.abspath(args.ds_config) != offload:
+        a = copy.copy(args)
+        a.ds_config = offload
+        got = fitted(a, world)
+        if got:
+            found.append(
+                "DS_CONFIG=configs/zero3_offload.json"
+                + (f" {got[0]}" if got[0] else "")
+                + f" ({got[1]:.1f} GiB of host memory per rank)"
+            )
+    w = world * 2
+    while w <= 1024:
+        got = fitted(args, w)
+        if got:
+            found.append(
+                f"{w} GPUs in all (NPROC x NNODES = {w})" + (f" with {got[0]}" if got[0] else "")
+            )
+            break
+        w *= 2
+    return ("On paper, these fit: " + "; or ".join(found) + ".") if found else ""
+
+
+def _flags(knobs, names):
+    """The knobs named, as flags to paste: "--per_device_train_batch_size 8 ..."."""
+    return " ".join(f"--{k} {_shown(getattr(knobs, k))}" for k in names)
+
+
+def _shown(v):
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def vllm_cpu_bytes(config):
@@ -326,7 +462,7 @@ def _ladder(args, knobs, kw):
     if stage3 and not args.use_vllm:
         full = model_shape(kw["model_config"])["N"] * (2 if kw["dtype"] == "bf16" else 4)
         if kw["gather_for_generation"]:  # middle mode: half the model kept gathered
-            half = full / 2 / GB
+            half = round(full / 2 / GB, 2)  # as a flag prints it
             out.append(
                 (
                     "generation: middle mode",
@@ -367,19 +503,26 @@ def fit_to_budget(args, world, models, say=print):
         need += runtime
         where = "free on the GPU" if torch.cuda.is_available() else "available to each rank"
         auto = (
-            f"the estimate's highest phase needs {need / GB:.2f} GB per rank, over the "
-            f"{share / GB:.2f} GB {where} (MemAvailable / ranks on CPU)"
+            f"the estimate's highest phase needs {need / GB:.2f} GiB per rank, over the "
+            f"{share / GB:.2f} GiB {where} (MemAvailable / ranks on CPU)"
         )
         say(f"memory: {auto}: fitting the knobs as --memory_budget_gb {share / GB:.2f} does")
         knobs.memory_budget_gb = round(share / GB, 2)
+    source = f"the {knobs.memory_budget_gb:g} GiB {where}" if auto else ""
     try:
-        return knobs, _fit(args, knobs, world, models, runtime, say)
+        return knobs, _fit(args, knobs, world, models, runtime, say, source=source)
     except RunError as e:
         raise RunError(f"{auto}; {e}" if auto else str(e)) from None
 
 
-def _fit(args, knobs, world, models, runtime, say, gpu_gb=0.0):
+def _fit(args, knobs, world, models, runtime, say, gpu_gb=0.0, source="", table=True):
+    """The ladder under knobs.memory_budget_gb (source: the budget as the user gave it, for the
+    messages); says the flags that moved (only those whose value changed, as flags to paste) and,
+    with table, the estimate per phase. Returns the phases (plus runtime); nothing fits: a
+    RunError with the closest flags and the shortfall."""
     budget = knobs.memory_budget_gb
+    source = source or f"--memory_budget_gb {budget:g}"
+    per = "GPU" if gpu_gb or torch.cuda.is_available() else "rank"
     kw, target = estimate_kwargs(args, world, models, knobs, gpu_gb), HIGH_WATER * budget * GB
 
     def top(k):
@@ -387,39 +530,41 @@ def _fit(args, knobs, world, models, runtime, say, gpu_gb=0.0):
         return max(phases.values()) + runtime, phases
 
     now, phases = top(kw)
-    given, why = {}, {}  # knob -> its value as given, the ladder step that moved it
+    given = {}  # knob -> its value as given
 
-    def changed():
-        return [f"{k} {v} -> {getattr(knobs, k)} ({why[k]})" for k, v in given.items()]
+    def moved():  # (the flags that changed, as set; the same flags as given)
+        names = [k for k, v in given.items() if getattr(knobs, k) != v]
+        return _flags(knobs, names), " ".join(f"--{k} {_shown(given[k])}" for k in names)
 
+    rss = f", incl. {runtime / GB:.2f} GiB runtime RSS" if runtime else ""
     while now > target:
-        for label, knob_change, kw_change in _ladder(args, knobs, kw):
+        for _, knob_change, kw_change in _ladder(args, knobs, kw):
             tried, tried_phases = top({**kw, **kw_change})
             if tried < now:
                 for name, value in knob_change.items():
                     given.setdefault(name, getattr(knobs, name))
-                    why[name] = label
                     setattr(knobs, name, value)
                 kw, now, phases = {**kw, **kw_change}, tried, tried_phases
                 break
         else:  # no single change lowers the highest phase any more
+            new, old = moved()
             raise RunError(
-                f"--memory_budget_gb {budget}: nothing fits. Closest: "
-                + (", ".join(changed()) or "the knobs as given")
-                + f"; highest phase {max(phases, key=phases.get)} at {now / GB:.2f} GB, "
-                f"{(now - target) / GB:.2f} GB over {HIGH_WATER:.0%} of the budget"
-                + (f" (incl. {runtime / GB:.2f} GB runtime RSS). " if runtime else ". ")
-                + "Raise the budget, use ZeRO-3 with optimizer offload "
-                "(configs/zero3_offload.json), more ranks, or shorter sequences."
+                f"{source}: nothing fits. Closest: "
+                + (f"{new} (as given: {old})" if new else "the flags as given")
+                + f"; highest phase {max(phases, key=phases.get)} at {now / GB:.2f} GiB per "
+                f"{per}{rss}, {(now - target) / GB:.2f} GiB over {HIGH_WATER:.0%} of {budget:g} "
+                f"GiB. More memory per {per}, DS_CONFIG=configs/zero3_offload.json (ZeRO-3, "
+                f"optimizer and parameters on the host), more {per}s (NPROC, NNODES), or shorter "
+                "sequences (--max_completion_length)."
             )
     est = estimate_memory(**kw)
+    new, old = moved()
     say(
-        f"memory budget {budget} GB (phases fitted under {HIGH_WATER:.0%}"
-        + (f", incl. {runtime / GB:.2f} GB runtime RSS" if runtime else "")
-        + "): "
-        + ("; ".join(changed()) if given else "the knobs as given fit")
+        f"memory: every phase under {HIGH_WATER:.0%} of {source} ({target / GB:.2f} GiB per "
+        f"{per}{rss}) " + (f"with: {new} (as given: {old})" if new else "with the flags as given")
     )
-    say(format_table(est, budget))
+    if table:
+        say(format_table(est, budget, per))
     if runtime and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         say(
             "note: on CPU glibc keeps freed blocks in the resident set; with "

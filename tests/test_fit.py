@@ -1,6 +1,14 @@
 """fit.py: the pre-flight under --memory_budget_gb (against estimate.estimate_memory on the Qwen2.5
-presets' shapes, no weights) and KnobAdapter's rule between steps (one process, no group: the
-peaks are this rank's). The 2-rank runs are tests/test_fit_e2e.py."""
+presets' shapes, no weights), --estimate_memory's answer (what it assumes, the flags to paste, what
+fits instead) and KnobAdapter's rule between steps (one process, no group: the peaks are this
+rank's). The 2-rank runs are tests/test_fit_e2e.py."""
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -8,7 +16,8 @@ import fit
 import grpo
 import ppo
 from checks import RunError
-from estimate import estimate_memory
+from conftest import ROOT
+from estimate import PRESETS, estimate_memory
 from fit import HIGH_WATER, LOW_WATER, MIN_TILE, KnobAdapter, Knobs, estimate_kwargs, fit_to_budget
 from memory import GB
 
@@ -40,7 +49,7 @@ def test_off_by_default_and_a_budget_above_changes_nothing():
     runtime = fit._runtime_bytes() / GB + 0.25
     budget = (need + runtime) / HIGH_WATER
     args, phases, lines = fitted(QWEN + ["--memory_budget_gb", str(budget)])
-    assert "the knobs as given fit" in lines[0]
+    assert lines[0].endswith("with the flags as given")
     assert args == Knobs.given(grpo.parse_args(QWEN + ["--memory_budget_gb", str(budget)]))
     assert max(phases.values()) <= HIGH_WATER * budget * GB
 
@@ -51,14 +60,15 @@ def test_a_budget_below_lowers_the_cheapest_knobs_first_and_fits():
     args, phases, lines = fitted(QWEN + ["--memory_budget_gb", str(budget)])
     assert max(phases.values()) <= HIGH_WATER * budget * GB  # the estimate, runtime included
     # the ladder's order: frozen shards to CPU, then the tile, then the micro-batch...
-    said = lines[0]
-    assert said.index("frozen_offload False -> True") < said.index("logprob_chunk_size 0 -> ")
-    assert said.index("logprob_chunk_size") < said.index("per_device_train_batch_size 32 -> ")
+    said = lines[0]  # the flags to paste, in the order the ladder moved them, then as given
+    assert said.index("--frozen_offload True") < said.index("--logprob_chunk_size 256")
+    assert said.index("--logprob_chunk_size 256") < said.index("--per_device_train_batch_size ")
+    assert "(as given: --frozen_offload False --logprob_chunk_size 0 " in said
     assert args.frozen_offload and args.logprob_chunk_size == MIN_TILE
     assert args.per_device_train_batch_size < 32
     # ... and nothing dearer than needed: generation stays gathered, no checkpointing
     assert args.gather_for_generation and not args.gradient_checkpointing
-    assert "update" in lines[1] and "GB/GPU" in lines[1]  # the estimate per phase is printed
+    assert "update" in lines[1] and "GiB/rank" in lines[1]  # the estimate per phase is printed
 
 
 def test_checkpointing_comes_after_the_micro_batch():
@@ -70,7 +80,8 @@ def test_checkpointing_comes_after_the_micro_batch():
     assert args.per_device_train_batch_size == 1 and not args.gradient_checkpointing
     args, phases, lines = fitted(argv + ["--memory_budget_gb", str(0.05 * need)])
     assert args.per_device_train_batch_size == 1 and args.gradient_checkpointing
-    assert lines[0].index("per_device_train_batch_size 8 -> 1") < lines[0].index("checkpointing")
+    said = lines[0]
+    assert said.index("--per_device_train_batch_size 1") < said.index("--gradient_checkpointing")
     assert max(phases.values()) <= HIGH_WATER * 0.05 * need * GB
 
 
@@ -79,8 +90,8 @@ def test_nothing_fits_exits_2_with_the_closest_config_and_its_shortfall():
         fitted(QWEN + ["--memory_budget_gb", "10"])
     msg = str(e.value)
     assert e.value.exit_code == 2
-    assert "nothing fits. Closest: frozen_offload False -> True" in msg
-    assert "GB over 90% of the budget" in msg and "configs/zero3_offload.json" in msg
+    assert msg.startswith("--memory_budget_gb 10: nothing fits. Closest: --frozen_offload True")
+    assert "GiB over 90% of 10 GiB" in msg and "configs/zero3_offload.json" in msg
 
 
 def share_of(gb, monkeypatch):
@@ -101,7 +112,7 @@ def test_no_budget_the_machine_s_memory_per_rank_is_fitted(monkeypatch):
     args, phases, lines = fitted(argv)
     # this process's RSS and the machine's MemAvailable move between reads (other processes)
     head = "memory: the estimate's highest phase needs "
-    assert lines[0].startswith(head) and " GB per rank" in lines[0], lines
+    assert lines[0].startswith(head) and " GiB per rank" in lines[0], lines
     assert float(lines[0][len(head) :].split()[0]) == pytest.approx(need, rel=0.03), lines
     assert float(lines[0].split("--memory_budget_gb ")[1].split()[0]) == pytest.approx(
         share, rel=0.03
@@ -132,10 +143,138 @@ def test_gpu_gb_fits_on_paper_for_a_gpu_this_machine_lacks(capsys):
     assert max(phases.values()) <= HIGH_WATER * 24 * GB
     assert knobs.per_device_train_batch_size < args.per_device_train_batch_size  # fitted
     assert grpo.main(argv + ["--gpu_gb", "24", "--estimate_memory", "True"]) is not None
-    assert "memory budget 24.0 GB" in capsys.readouterr().out
-    big = grpo.parse_args(["--model", "qwen2.5-7b", "--max_completion_length", "1024"])
-    with pytest.raises(RunError, match="--gpu_gb 24: --memory_budget_gb 24: nothing fits"):
-        fit.fit_for_gpu(big, 1, grpo.memory_models(big), 24, say=lambda s: None)
+    assert "every phase under 90% of --gpu_gb 24 (21.60 GiB per GPU)" in capsys.readouterr().out
+
+
+def estimate_said(loop, argv, capsys):
+    """What `--estimate_memory True` prints for argv, as lines."""
+    loop.main(argv + ["--estimate_memory", "True"])
+    return capsys.readouterr().out.splitlines()
+
+
+def fit_line(said):
+    """The line that says how it fits (after what it assumes and, with --model alone, a note)."""
+    return next(line for line in said if line.startswith("memory: "))
+
+
+def test_estimate_states_its_assumptions_and_the_recipe_in_one_line(monkeypatch, capsys):
+    """The first line: GPUs per node and nodes (run.sh's LOCAL_WORLD_SIZE, WORLD_SIZE), GiB per
+    GPU, dtype, recipe, lengths, batch, micro-batch, generation; sizes in GiB only. --model without
+    --recipe (the loop's defaults, made for the built-in task) says so, and what MODEL= adds."""
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    argv = ["--model", "qwen2.5-7b", "--gpu_gb", "80"]
+    for loop in (grpo, ppo):
+        said = estimate_said(loop, argv + ["--recipe", "pretrained"], capsys)
+        a = loop.parse_args(argv + ["--recipe", "pretrained"])
+        head = "estimate for: 8 GPUs per node x 2 nodes, 80 GiB per GPU (--gpu_gb), bf16 "
+        assert said[0].startswith(head) and ", recipe pretrained, " in said[0], said[0]
+        for part in (
+            "ZeRO-3 (configs/zero3.json)",
+            f"prompt {a.max_prompt_length} + completion {a.max_completion_length} tokens",
+            f"{a.prompts_per_rank} prompts x {a.num_generations} completions per rank",
+            f"micro-batch {a.per_device_train_batch_size},",
+            ", gradient checkpointing,",
+            "generation: HF generate, ",
+        ):
+            assert part in said[0], (part, said[0])
+        assert said[1].startswith("memory: every phase under 90% of --gpu_gb 80 ")
+        assert any("GiB/GPU" in line for line in said)
+        assert not any(" GB" in line for line in said)  # one unit: GiB, as the flags take
+        said = estimate_said(loop, argv, capsys)  # the loop's defaults: another micro-batch
+        a = loop.parse_args(argv)
+        assert ", no recipe: the loop's defaults, " in said[0]
+        assert f"micro-batch {a.per_device_train_batch_size}," in said[0]
+        assert "MODEL=<model> bash run.sh adds --recipe pretrained" in said[1]
+
+
+def test_estimate_prints_the_flags_to_paste_only_those_that_change(capsys):
+    """7B on an 8 GiB GPU with the host-offload config: the ladder goes to the middle mode
+    (--generation_resident_gb half the model), then layer by layer (back to 0, as given): that
+    knob is not printed. Every flag printed is the loop's, with a value other than given, and the
+    flags pasted back fit as given."""
+    argv = ["--model", "qwen2.5-7b", "--ds_config", "configs/zero3_offload.json"]
+    argv += ["--gpu_gb", "8"]
+    said = estimate_said(grpo, argv, capsys)
+    fitted = fit_line(said).split(" with: ")[1].split(" (as given: ")[0].split()
+    given, pairs = grpo.parse_args(argv), list(zip(fitted[::2], fitted[1::2]))
+    names = {f.name for f in dataclasses.fields(given)}
+    for flag, value in pairs:
+        assert flag.startswith("--") and flag[2:] in names, flag
+        assert str(getattr(given, flag[2:])) != value, (flag, value)
+    assert "--gather_for_generation" in fitted and "--generation_resident_gb" not in fitted
+    said = estimate_said(grpo, argv + fitted, capsys)
+    assert fit_line(said).endswith(" with the flags as given"), said
+
+
+def test_gpu_gb_alone_nothing_fits_speaks_of_gpu_gb_and_what_fits(capsys):
+    """One GPU, 7B, --gpu_gb 80 alone: the message names --gpu_gb (not a flag the user did not
+    pass), and what fits on paper instead; each, taken as printed, fits."""
+    argv = ["--model", "qwen2.5-7b", "--gpu_gb", "80", "--estimate_memory", "True"]
+    with pytest.raises(RunError) as e:
+        grpo.main(argv)
+    msg = str(e.value)
+    assert e.value.exit_code == 2 and msg.startswith("--gpu_gb 80: nothing fits. Closest: --")
+    assert "--memory_budget_gb" not in msg and " GB" not in msg
+    offload = msg.split("On paper, these fit: DS_CONFIG=configs/zero3_offload.json")[1]
+    flags = offload.split(" (")[0].split()
+    said = estimate_said(
+        grpo, argv[:-2] + ["--ds_config", "configs/zero3_offload.json"] + flags, capsys
+    )
+    assert fit_line(said).endswith(" with the flags as given"), said
+    gpus, flags = msg.split("; or ")[1].split(" GPUs in all (NPROC x NNODES = ")
+    flags = flags.split(")")[1].removeprefix(" with ").rstrip(".").split()
+    args = grpo.parse_args(argv[:-2] + flags)
+    lines = []
+    fit.fit_for_gpu(args, int(gpus), grpo.memory_models(args), 80, say=lines.append)
+    assert lines[0].endswith(" with the flags as given"), lines[0]
+    with pytest.raises(RunError):  # the fewest GPUs: half as many do not fit
+        fit.fit_for_gpu(args, int(gpus) // 2, grpo.memory_models(args), 80, say=lines.append)
+
+
+def test_a_hub_id_not_in_the_cache_fails_at_once_without_the_network(tmp_path):
+    """--estimate_memory with a hub id: one in this machine's cache is read from it; one not
+    cached fails with the presets and how to fetch its config, and no request leaves the process
+    (the hub client would retry a network that is not there for ~25 s). The hub's address is a
+    local socket that keeps any connection made."""
+    hub = socket.socket()
+    hub.bind(("127.0.0.1", 0))
+    hub.listen(8)
+    hub.setblocking(False)
+    snapshot = tmp_path / "hub" / "models--someone--cached-7b" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(PRESETS["qwen2.5-7b"]))
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc")
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{hub.getsockname()[1]}", HF_HOME=str(tmp_path))
+    env.update(HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
+    each = (
+        "import sys, grpo\n"
+        "for model in sys.argv[1:]:\n"
+        "    try:\n"
+        "        grpo.main(['--model', model, '--estimate_memory', 'True', '--gpu_gb', '80'])\n"
+        "    except Exception as e:\n"
+        "        print(type(e).__name__, e)\n"
+    )
+    models = ["someone/cached-7b", "someone/not-cached-7b"]
+    done = subprocess.run(
+        [sys.executable, "-c", each, *models],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a guard: the hub client's retries against a silent socket never end sooner
+    )
+    out = done.stdout + done.stderr
+    assert "RunError --gpu_gb 80: nothing fits" in out, out  # the cached 7B config, one GPU
+    assert "RunError --model someone/not-cached-7b: not in this machine's Hugging Face cache" in out
+    assert "hf download someone/not-cached-7b config.json" in out and "qwen2.5-7b" in out
+    with pytest.raises(BlockingIOError):  # nobody knocked
+        hub.accept()
+    hub.close()
 
 
 def test_ppo_fits_the_same_knobs_in_its_own_phases():

@@ -204,8 +204,15 @@ def test_knobs_bring_7b_under_80gb():
 def test_cli_prints_table_and_knobs(capsys):
     from estimate import main
 
-    main(["--model", "qwen2.5-7b", "--world_size", "1", "--zero_stage", "3", "--device_gb", "80"])
+    argv = ["--model", "qwen2.5-7b", "--world_size", "1", "--zero_stage", "3", "--device_gb", "80"]
+    main(argv)
     out = capsys.readouterr().out
-    assert "update" in out and "OVER" in out and "to fit in 80 GB" in out
+    assert out.startswith("assumes: 1 GPU, 80 GiB per GPU, bf16 (fp32 master weights), ZeRO-3, ")
+    assert "update" in out and "OVER 80 GiB" in out and " GB" not in out  # GiB: 2**30 bytes
+    # the changes as this CLI's flags, which pasted back fit
+    flags = out.split("to fit in 80 GiB per GPU, add: ")[1].split(" (highest phase")[0]
+    assert flags == "--offload_optimizer True --gradient_checkpointing True"
+    main(argv + flags.split())
+    assert "(fits 80 GiB per GPU)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="offload_params needs zero_stage 3"):
         estimate_memory("qwen2.5-7b", zero_stage=2, offload_params=True)
