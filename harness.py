@@ -283,8 +283,6 @@ class Run:
         if args.overwrite and self.rank == 0:
             clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
         dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
-        # eager for Gemma-2: sdpa drops its attention soft-cap, which vLLM applies
-        self.attn = attn_implementation_for(self.model_path, args.attn_implementation)
         self.stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
         self.mini_batches = models.get("mini_batches", 1)  # optimizer steps per batch and pass
 

@@ -49,7 +49,7 @@ from checks import RunError, entry_code, exit_process
 from critic import build_critic, forward_values
 from data import batch_rows
 from fit import Knobs
-from generation import sampler_logp_gap
+from generation import attn_implementation_for, sampler_logp_gap
 from logprobs import positions_from_mask
 from tasks import RewardError, reward_stats
 from zero3_load import enable_gradient_checkpointing
@@ -476,7 +476,7 @@ def main(argv=None):
         rm_path or run.model_path,
         bool(rm_path),
         run.dtype,
-        run.attn,
+        attn_implementation_for(rm_path or run.model_path, args.attn_implementation),
         ds_config=run.ds_config if args.partitioned_loading and run.stage == 3 else None,
     )  # the reward model's body and head, or the actor's body and a zero value head
     if run.knobs.gradient_checkpointing:
