@@ -18,6 +18,34 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from tiny_models import build_tiny  # noqa: E402
 
+GPU_TIER = os.path.join(ROOT, "tests", "gpu")  # the GPU tier's tests (tests/gpu/gpu_tier.py)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--gpu",
+        action="store_true",
+        help="the GPU tier (tests/gpu) and nothing else; without a CUDA device it skips unless "
+        "GPU_TIER_ON_CPU=1 (a CPU stand-in at small shapes); summary in $GPU_TIER_OUT",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """--gpu keeps the GPU tier only; without it the tier skips (tests/test_gpu_tier.py runs it
+    in CPU mode within the suite). No CUDA device and no GPU_TIER_ON_CPU=1: each skips with why."""
+    from gpu.gpu_tier import CUDA, ON_CPU, SKIP_REASON
+
+    tier = [i for i in items if str(i.path).startswith(GPU_TIER + os.sep)]
+    if not config.getoption("--gpu"):
+        for item in tier:
+            item.add_marker(pytest.mark.skip(reason="the GPU tier: bash test.sh --gpu"))
+        return
+    config.hook.pytest_deselected(items=[i for i in items if i not in tier])
+    items[:] = tier
+    if not (CUDA or ON_CPU):
+        for item in tier:
+            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
