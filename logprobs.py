@@ -15,7 +15,9 @@ three ways down, each usable alone (the file imports no sibling; copy it):
   model_logps(model, ...)                 online logsumexp and gather fused per tile
                                           of C tokens x v vocabulary entries, forward
                                           and backward; the largest temporary is one
-                                          (C, v) fp32 tile (32 MiB by default).
+                                          (C, v) fp32 tile (32 MiB by default; with
+                                          top_k / top_p, finding the cut sorts R full
+                                          rows, ~100 MiB, below).
 
 Shapes: B sequences, T tokens per sequence (prompt + completion, padded),
 K = logits_to_keep completion tokens scored per sequence, N tokens (N = B * K when
@@ -52,7 +54,8 @@ DEFAULT_TILE_ELEMENTS = 2**24
 DEFAULT_CHUNK_SIZE = 2048
 DEFAULT_VOCAB_CHUNK_SIZE = 4096
 # truncation_thresholds sorts full rows: (R, V) fp32 logits, sorted values, int64 indices and
-# a cumulative sum, ~20 bytes per element: 2**22 elements (R = 27 rows at V = 151936) is ~80 MiB
+# a cumulative sum. 2**22 elements: R = 27 rows at V = 151936, 16 MiB of logits, and the cut's
+# peak 83 MiB more (measured on CPU, top_k 20 and top_p 0.8)
 THRESHOLD_TILE_ELEMENTS = 2**22
 # a logit outside the kept set: finite, so an all-masked tile keeps the online logsumexp
 # finite (exp of it minus any real logit is 0 in fp32 and fp64, and 0 * it is 0, not NaN)

@@ -4,7 +4,7 @@
   step (same data, same samples, same actor and critic weights).
 - A tiny reward model (which also initialises the critic), with packing, token-budget
   micro-batches, middle-mode generation, gradient checkpointing, frozen models offloaded to CPU,
-  eager attention, two mini-batches per pass, one held-out prompt for two ranks.
+  eager attention, two mini-batches per pass, one held-out prompt for two ranks, top_p 0.9.
 - LoRA on actor and critic (the reference is the actor with adapters off), when peft is installed.
 """
 
@@ -157,6 +157,8 @@ def test_zero3_reward_model_packing_offload(tmp_path):
         "False",
         "--num_eval_prompts",  # fewer than ranks: one rank scores nothing, yet joins in
         "1",
+        "--top_p",  # HF's nucleus; the old pass's cut kept, packed, for both mini-batches
+        "0.9",
         env={"RUN_DIR": str(tmp_path / "r")},
     )
     rows = train_rows(tmp_path / "r")
