@@ -69,11 +69,11 @@ def main():
             for c in rows
             if "fit/knob" in c
         ]
-        pre = next(
+        pre = next(  # fit.py's "memory: every phase under 90% of ... (...) with: <flags> ..."
             (
-                line.split("): ", 1)[1]
+                line.split(") with", 1)[1].strip(": ")
                 for line in out.splitlines()
-                if line.startswith("memory budget")
+                if line.startswith("memory: every phase under")
             ),
             "-",
         )
