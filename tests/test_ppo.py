@@ -343,14 +343,17 @@ def test_estimate_memory_counts_a_colocated_vllm_engine(monkeypatch):
 def test_estimate_memory_leaves_out_a_vllm_server(algo, monkeypatch):
     """--vllm_mode server: vLLM runs on devices of its own, so the trainer's ranks hold none of it
     (the machine check once counted a GPU share for it and refused every CPU server run); they
-    only gather a group of weights to send it (weight_sync)."""
+    only gather a group of weights to send it (weight_sync), and their rollout generates nothing
+    (tests/test_gpu_paths.py: the resident states alone)."""
     main = importlib.import_module(algo).main
     monkeypatch.setenv("WORLD_SIZE", "2")
     argv = ["--estimate_memory", "True", "--max_prompt_length", "8"]
     bare = main(argv)
     server = main(argv + ["--use_vllm", "True", "--vllm_mode", "server"])
     sync = server["phases"].pop("weight_sync")
+    rollout, bare_rollout = server["phases"].pop("rollout"), bare["phases"].pop("rollout")
     assert server["pieces"]["vllm"] == 0 and server["phases"] == bare["phases"]
+    assert 0 < rollout < bare_rollout  # no HF generation on the trainer
     assert 0 < sync <= max(bare["phases"].values()) + 2**26 * 4  # states + one gathered group
 
 
