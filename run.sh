@@ -110,11 +110,21 @@ fi
 # One process: --help, --estimate_memory, and the pre-flight check of every input (data, model,
 # tokenizer, rewards, DeepSpeed JSON vs arguments, resume), so bad input fails with one message and
 # exit code 2 before any rank begins. PREFLIGHT=0 skips the check.
-for a in "$@"; do
-  if [[ $a == -h || $a == --help || $a == --estimate_memory ]]; then
-    LOCAL_WORLD_SIZE=$NPROC WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) exec python "$ALGO.py" "${args[@]}" "$@"
-  fi
+# --estimate_memory as the parser reads it: alone, "--estimate_memory True" or "=True" (yes, 1, ...)
+one_process=""
+argv=("$@")
+for i in "${!argv[@]}"; do
+  a=${argv[$i]} value=""
+  case $a in
+    -h|--help) one_process=1 ;;
+    --estimate_memory=*) value=${a#*=} ;;
+    --estimate_memory) value=${argv[$((i + 1))]:-true}; [[ $value == --* ]] && value=true ;;
+  esac
+  [[ ${value,,} =~ ^(true|t|yes|y|1)$ ]] && one_process=1
 done
+if [[ -n $one_process ]]; then
+  LOCAL_WORLD_SIZE=$NPROC WORLD_SIZE=$(( NPROC * ${NNODES:-1} )) exec python "$ALGO.py" "${args[@]}" "$@"
+fi
 # The rendezvous port torchrun's store listens on (this node is the master when NODE_RANK is 0). One
 # given in MASTER_PORT is checked here, before the pre-flight; without it, one node picks a free one
 # just before torchrun starts, so two runs on one machine do not meet on torch's default 29500.

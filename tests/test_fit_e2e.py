@@ -37,7 +37,8 @@ def run(tmp_path, name, *args, algo="grpo"):
 
 def test_run_sh_estimate_for_several_nodes_states_its_assumptions():
     env = {"NPROC": "8", "NNODES": "2", "MODEL": "qwen2.5-7b"}
-    out = conftest.run_sh("grpo", "--estimate_memory", "True", "--gpu_gb", "80", env=env)
+    # "--estimate_memory=True" as well as "--estimate_memory True": run.sh starts no ranks
+    out = conftest.run_sh("grpo", "--estimate_memory=True", "--gpu_gb", "80", env=env)
     (line,) = [line for line in out.splitlines() if line.startswith("estimate for: ")]
     assert line.startswith("estimate for: 8 GPUs per node x 2 nodes, 80 GiB per GPU (--gpu_gb)")
     assert ", recipe pretrained, " in line  # run.sh's MODEL= adds it
