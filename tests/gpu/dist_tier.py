@@ -12,6 +12,7 @@ bench (every model): the update (model_logps over half the row, backward, optimi
   peak; HF generation's tokens per second under ZeRO-3, gathered and sharded.
 """
 
+import gc
 import json
 import os
 import sys
@@ -125,6 +126,7 @@ def bench(path, T, steps, peak, peak_from):
         if stage == 3:
             generation(engine, name, V)
         del engine, model
+        gc.collect()  # the engine's optimizer and hooks hold the last stage's states
         if CUDA:
             torch.cuda.empty_cache()
 

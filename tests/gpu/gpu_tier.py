@@ -73,6 +73,14 @@ def sync():
         torch.cuda.synchronize()
 
 
+def _shown(value):
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return " / ".join(_shown(v) for v in value)
+    return str(value)
+
+
 class Summary:
     """The tier's results: one row each, printed as it comes, the files rewritten after each."""
 
@@ -98,7 +106,7 @@ class Summary:
         """One result: check (a-e), what was measured, its value (number or text)."""
         row = dict(check=check, measure=measure, value=value, unit=unit, note=note)
         self.rows.append(row)
-        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        shown = _shown(value)
         print(f"\n[gpu tier] {check}: {measure} = {shown} {unit} {note}".rstrip(), flush=True)
         self.write()
 
@@ -118,9 +126,8 @@ class Summary:
             "|---|---|---|---|",
         ]
         for r in self.rows:
-            v = r["value"]
-            shown = f"{v:.4g}" if isinstance(v, float) else str(v)
-            lines.append(f"| {r['check']} | {r['measure']} | {shown} {r['unit']} | {r['note']} |")
+            cells = (r["check"], r["measure"], f"{_shown(r['value'])} {r['unit']}", r["note"])
+            lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
         return "\n".join(lines) + "\n"
 
 
@@ -143,4 +150,7 @@ def build_shape(path, name):
         model = AutoModelForCausalLM.from_config(Qwen2Config(**shape, **ids), dtype=torch.bfloat16)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(path)
+    del model
+    if CUDA:  # the runs after it start processes of their own on this GPU
+        torch.cuda.empty_cache()
     return path
