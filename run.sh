@@ -32,9 +32,10 @@
 #   PREFLIGHT    0 skips the one-process check of every input before any rank begins (default 1)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get, after SIGTERM or Ctrl-C, to finish their
 #                step and save a checkpoint before torchrun kills them (default here 300; torch's: 30)
-#   MALLOC_MMAP_THRESHOLD_  CPU only: 65536 unless set (glibc returns freed blocks from 64 KiB up to
-#                the system, so a rank's resident set holds what it uses: the SmolLM2 recipes'
-#                figures in README and docs are measured with it); set it to override
+#   MALLOC_MMAP_THRESHOLD_  CPU, with MODEL or --recipe: 65536 unless set (glibc returns freed
+#                blocks from 64 KiB up to the system, so a rank's resident set holds what it uses:
+#                the SmolLM2 recipes' figures in README and docs are measured with it); set it to
+#                override
 #   LEAN_RL_ENV  which Python runs the job: install.sh (auto: .venv, or an active environment that
 #                has the stack; active: the active Python as it is; venv: .venv)
 #
@@ -86,10 +87,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / 
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # less fragmentation with changing sequence lengths
 export TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 [[ $GPUS != 0 ]] || export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}   # CPU: a small KV cache
-# CPU: glibc hands freed blocks of 64 KiB and more back to the system at once; by default it keeps
-# them in the resident set, which the memory ledger measures (and the kernel counts against the
-# machine). The SmolLM2 recipes' figures in README and docs are measured with it.
-[[ $GPUS != 0 ]] || export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-65536}
 
 run_dir=${RUN_DIR:-runs/$ALGO-$(date +%Y%m%d-%H%M%S)}
 args=(--ds_config "${DS_CONFIG:-configs/zero3.json}" --run_dir "$run_dir")
@@ -99,6 +96,14 @@ if [[ -n "${MODEL:-}" ]]; then
   # A pretrained model: the loop's `pretrained` recipe (python $ALGO.py --help lists its values),
   # so MODEL=X bash run.sh ppo is the run of `python ppo.py --model X --recipe pretrained`.
   args+=(--model "$MODEL" --recipe pretrained)
+fi
+# CPU, a recipe's real model (MODEL, --recipe): glibc hands freed blocks of 64 KiB and more back to
+# the system at once; by default it keeps them in the resident set, which the memory ledger measures
+# (and the kernel counts against the machine). The SmolLM2 recipes' figures in README and docs are
+# measured with it. Not for the tiny built-in task, whose steps it slows (1.1-1.2 s, not 0.7-0.8).
+recipe=${MODEL:-}; for a in "$@"; do [[ $a == --recipe || $a == --recipe=* ]] && recipe=1; done
+if [[ $GPUS == 0 && -n $recipe ]]; then
+  export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-65536}
 fi
 
 if [[ -n ${VLLM_DEVICES:-} ]]; then   # server mode's flags, known to the pre-flight too
