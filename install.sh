@@ -18,7 +18,7 @@
 #                   it has the stack (conda, a container), else a new .venv
 #   active          the active Python as it is: nothing checked, nothing installed
 #   venv            .venv, whatever is active
-# An install needs a package source: pip is asked first, with a 5 s timeout and no retries, whether
+# An install needs a package source: pip is asked first, with a 10 s timeout and no retries, whether
 # it can reach one; when it cannot, one message and exit 1 within seconds.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -97,10 +97,10 @@ if [[ -f $stamp ]]; then
   exit 0
 fi
 pip=(.venv/bin/python -m pip)
-first=$(grep -m1 -o '^[A-Za-z0-9_.-]*' "$req")
-if ! "${pip[@]}" index versions "$first" --retries 0 --timeout 5 >/dev/null 2>&1; then
+first=$(sed -n 's/^\([A-Za-z0-9_.-]\{1,\}\)==.*/\1/p' "$req" | head -n 1)  # its first package
+if ! "${pip[@]}" index versions "$first" --retries 0 --timeout 10 >/dev/null 2>&1; then
   [[ -z $created ]] || rm -rf .venv   # as it was before this run
-  say "error: installing $req into $own needs a package source, and pip reached none within 5 s" \
+  say "error: installing $req into $own needs a package source, and pip reached none within 10 s" \
       "(no network?). Connect, point pip at a mirror (PIP_INDEX_URL), or run in an environment" \
       "that has the stack (LEAN_RL_ENV, see install.sh)"
   exit 1

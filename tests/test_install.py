@@ -104,7 +104,7 @@ def test_an_environment_lacking_the_stack_is_refused_untouched(tmp_path, own_env
 
 def test_a_fresh_install_without_a_package_source_fails_at_once(tmp_path):
     """A clean clone on a machine whose python has no stack and no network: install.sh creates
-    .venv, finds that pip reaches no package source (5 s, no retries), removes the .venv it
+    .venv, finds that pip reaches no package source (10 s, no retries), removes the .venv it
     created and says so in one message: exit 1, none of pip's retries."""
     python3 = shutil.which("python3", path="/usr/bin:/bin")
     if python3 is None:
@@ -121,8 +121,36 @@ def test_a_fresh_install_without_a_package_source_fails_at_once(tmp_path):
     assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr.splitlines() == [
         f"install.sh: error: installing requirements-cpu.txt into {clone}/.venv needs a package "
-        "source, and pip reached none within 5 s (no network?). Connect, point pip at a mirror "
+        "source, and pip reached none within 10 s (no network?). Connect, point pip at a mirror "
         "(PIP_INDEX_URL), or run in an environment that has the stack (LEAN_RL_ENV, see "
         "install.sh)"
     ], proc.stderr
     assert files(clone) == ["install.sh", "requirements-cpu.txt", "requirements.txt"]
+
+
+def test_a_fresh_install_asks_the_package_source_for_its_first_package(tmp_path):
+    """The probe before an install asks for requirements-cpu.txt's first package (torch): with a
+    package source that has it (a local index holding torch alone), install.sh goes on to install
+    (and fails later, on the packages that source lacks), never with the no-source message. The
+    probe once asked for the name of the file's comment line, '', which no source has."""
+    python3 = shutil.which("python3", path="/usr/bin:/bin")
+    if python3 is None:
+        pytest.skip("no python3 in /usr/bin or /bin")
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in ("install.sh", "requirements.txt", "requirements-cpu.txt"):
+        shutil.copy(os.path.join(ROOT, name), clone)
+    index = tmp_path / "simple" / "torch"
+    index.mkdir(parents=True)
+    wheel = "torch-2.13.0-py3-none-any.whl"
+    (index / wheel).touch()
+    (index / "index.html").write_text(f'<a href="{wheel}">{wheel}</a>')
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV" and not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=f"file://{tmp_path}/simple/")
+    env.update(PATH="/usr/bin:/bin", DEVICE="cpu")
+    proc = subprocess.run(
+        ["bash", "install.sh"], cwd=clone, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode != 0, proc.stdout + proc.stderr  # the source lacks the rest
+    assert f"install.sh: installing requirements-cpu.txt into {clone}/.venv" in proc.stderr
+    assert "needs a package source" not in proc.stderr, proc.stderr
