@@ -668,7 +668,7 @@ def test_estimate_memory_with_a_model_it_cannot_size(env, capsys):
     assert fails(
         capsys,
         estimate("--model", "qwen-7b"),
-        "--model qwen-7b: cannot read its config",
+        "--model qwen-7b: not in this machine's Hugging Face cache",
         "--estimate_memory also takes a config.json or a preset: qwen2.5-0.5b",
     )
     os.makedirs(env / "empty")
