@@ -30,6 +30,14 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_ignore_collect(collection_path, config):
+    """--gpu: the suite's other files are not even imported (they import vLLM, `datasets` and
+    other packages a GPU node may lack; a failed import would stop the tier)."""
+    if config.getoption("--gpu") and collection_path.suffix == ".py":
+        return not str(collection_path).startswith(GPU_TIER + os.sep) or None
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """--gpu keeps the GPU tier only; without it the tier skips (tests/test_gpu_tier.py runs it
     in CPU mode within the suite). No CUDA device and no GPU_TIER_ON_CPU=1: each skips with why."""

@@ -10,8 +10,8 @@ import sys
 from conftest import ROOT
 
 
-def tier(out_dir, on_cpu):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GPU_TIER_OUT": str(out_dir)}
+def tier(out_dir, on_cpu, path="tests/gpu", **extra):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GPU_TIER_OUT": str(out_dir), **extra}
     env.pop("GPU_TIER_ON_CPU", None)
     if on_cpu:
         env["GPU_TIER_ON_CPU"] = "1"
@@ -19,7 +19,7 @@ def tier(out_dir, on_cpu):
         sys.executable,
         "-m",
         "pytest",
-        "tests/gpu",
+        path,
         "--gpu",
         "-q",
         "-rs",
@@ -30,7 +30,14 @@ def tier(out_dir, on_cpu):
 
 
 def test_tier_skips_without_a_device_and_runs_on_the_cpu_stand_in(tmp_path):
-    proc = tier(tmp_path / "off", on_cpu=False)
+    # as test.sh runs it (all of tests/) on a node without vLLM or `datasets`: the suite's other
+    # files are not imported (test_data.py's `import datasets` once stopped the tier there)
+    lacking = tmp_path / "lacking"
+    lacking.mkdir()
+    for name in ("datasets", "vllm"):
+        (lacking / f"{name}.py").write_text(f"raise ImportError('no {name} on this node')\n")
+    path = os.pathsep.join([str(lacking), os.environ.get("PYTHONPATH", "")])
+    proc = tier(tmp_path / "off", on_cpu=False, path="tests", PYTHONPATH=path)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "4 skipped" in proc.stdout and "no CUDA device" in proc.stdout, proc.stdout[-3000:]
     assert not (tmp_path / "off" / "gpu_tier.json").exists()
