@@ -14,6 +14,8 @@ completion, rollouts to a padded batch, micro-batches (padded or packed into one
     lp = forward_logps(model, mb, 1.0, packing, device)  # (b, c) padded or packed, the same values
     groups = mini_batch_plans(batch, 2, 8)       # PPO: a plan per mini-batch (rows fixed by count)
     (total,) = all_sum([local_count])            # float64 sum over ranks, on the backend's device
+    totals = all_sum_dict(sums)                  # {name: sum} over ranks: whatever keys came back
+    t = loss_inputs(mb, logps, entropy, device)  # LossInputs: a micro-batch's per-token loss inputs
 
 Letters in shape comments: B sequences on this rank, b in a micro-batch, P prompt tokens, C
 completion tokens, T = P + C, t <= T and c <= C after cutting all-padding columns, N tokens of a
@@ -29,6 +31,7 @@ forward_logps: a micro-batch scored padded or packed, shared by both loops) and 
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -349,3 +352,47 @@ def all_sum(values):
     if not dist.is_initialized():
         return [float(v) for v in values]
     return all_reduce_(torch.tensor(values, dtype=torch.float64)).tolist()
+
+
+def all_sum_dict(sums):
+    """{name: number} summed over ranks, key by key, in sorted order. A loss returns the same keys
+    on every rank by construction (every rank runs the same micro-batches, zero-weight repeats
+    included, through the same code), so the keys never need listing anywhere."""
+    keys = sorted(sums)
+    return dict(zip(keys, all_sum([sums[k] for k in keys])))
+
+
+# ---- A micro-batch's per-token loss inputs ------------------------------------------------------
+@dataclass
+class LossInputs:
+    """What a loss reads per token, on the device; its coefficients come from the loop's Args."""
+
+    logps: torch.Tensor  # (b, c) the policy's log-probs of the sampled tokens, with grad
+    old_logps: torch.Tensor  # (b, c) the sampling policy's, no grad (on-policy: logps.detach())
+    advantages: torch.Tensor  # (b,) one per sequence or (b, c) one per token
+    mask: torch.Tensor  # (b, c) float, 1 on the tokens the loss counts
+    ref_logps: torch.Tensor | None = None  # (b, c) a reference policy's (a KL term), no grad
+    weights: torch.Tensor | None = None  # (b, c) per-token weights, no grad (importance weights)
+    entropy: torch.Tensor | None = None  # (b, c) the policy's token entropy, with grad
+
+
+def loss_inputs(mb, logps, entropy, device, mask=None):
+    """LossInputs of micro-batch `mb` (its "old_logps", "ref_logps", "advantages", "is_weights"
+    when present) around this forward's logps and entropy (b, c). Old log-probs are always there:
+    without a pass of their own (on-policy) the sampling policy is this forward's, detached, so a
+    term on logps - old_logps is what it says (zero, with its gradient). mask: the loss's tokens
+    (default the completion's)."""
+
+    def get(key):
+        return None if mb.get(key) is None else mb[key].to(device)
+
+    old = get("old_logps")
+    return LossInputs(
+        logps=logps,
+        old_logps=logps.detach() if old is None else old,
+        advantages=get("advantages"),
+        mask=(mb["completion_mask"] if mask is None else mask).to(device).to(logps.dtype),
+        ref_logps=get("ref_logps"),
+        weights=get("is_weights"),
+        entropy=entropy,
+    )

@@ -43,8 +43,20 @@ from dataclasses import dataclass
 
 import torch
 
-from batching import encode_prompts
+from arguments import arg
+from batching import all_sum, encode_prompts
+from generation import Generations
 from zero3_utils import all_max
+
+
+@dataclass
+class EnvArgs:  # grpo.py's flags for multi-turn rollouts
+    env: str = arg(
+        "",
+        "module:factory: multi-turn rollouts, an environment answering each assistant turn "
+        "(a tool, a simulated user; docs/envs.md); empty: one assistant turn",
+    )
+    max_turns: int = arg(4, "with --env: assistant turns per conversation at most", ">= 1")
 
 
 class EnvError(RuntimeError):
@@ -225,6 +237,41 @@ def rollout(
             "env/max_turns_reached": at_max,
         },
     )
+
+
+def sample_episodes(run, rows, args, factory, G):
+    """grpo.sample_groups with an environment: G conversations of each row in `rows`, scored, as
+    {"prompt_ids", "gens", "rewards", "per_func"} plus "loss_mask" (B, C), 0 on the
+    environment's turns, and "env_stats", this rank's (episode_stats: over ranks)."""
+    ep = rollout(  # one turn per generate call, the sampled ids kept as sampled
+        lambda prompt_ids, max_new: run.generate(prompt_ids, 1, max_new),
+        run.tokenizer,
+        rows,
+        factory,
+        G,
+        args.max_turns,
+        args.max_completion_length,
+        run.stop_ids,
+        run.template_kwargs,
+    )
+    rewards, per_func = run.score(rows, ep.completions, G)  # completions: messages
+    return {
+        "prompt_ids": ep.prompt_ids,
+        "gens": Generations(ep.completion_ids, ep.completion_mask, ep.logprobs),
+        "rewards": rewards,
+        "per_func": per_func,
+        "loss_mask": ep.loss_mask,  # (B, C)
+        "env_stats": ep.stats,
+    }
+
+
+def episode_stats(stats, world):
+    """A sample's env_stats over all ranks (a collective): turns per conversation (a mean of the
+    ranks' means), conversations cut, conversations that reached max_turns."""
+    names = list(stats)
+    out = dict(zip(names, all_sum([stats[k] for k in names])))
+    out["env/turns"] /= world
+    return out
 
 
 # ---- The example: a calculator tool on arithmetic word problems ---------------------------------

@@ -27,7 +27,7 @@ import async_grpo  # noqa: E402  (the server and the run, shared with the async 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from grpo import VLLM_IMPORTANCE_MODES  # noqa: E402
+from vllm_is import VLLM_IMPORTANCE_MODES  # noqa: E402
 
 
 @dataclass

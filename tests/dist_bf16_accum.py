@@ -24,6 +24,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad
 from transformers import AutoModelForCausalLM
 
+from batching import loss_inputs
 from checks import exit_process
 from grpo import grpo_loss, loss_normalizer, parse_args, update
 
@@ -58,18 +59,10 @@ with torch.no_grad():
 old_logps = base + 0.3 * torch.randn(B, C)  # a previous iteration's policy: ratios leave 1
 advantages = torch.randn(B)
 norm = loss_normalizer(cmask, "bnpo", C)
-loss, _ = grpo_loss(
-    plain_logps(ref_model),
-    old_logps,
-    None,
-    advantages,
-    cmask,
-    beta=0.0,
-    epsilon_low=0.2,
-    epsilon_high=0.28,
-    loss_type="bnpo",
-    normalizer=norm,
-)
+logps = plain_logps(ref_model)
+mb = {"completion_mask": cmask, "old_logps": old_logps, "advantages": advantages}
+t = loss_inputs(mb, logps, torch.zeros_like(logps), "cpu")
+loss, _ = grpo_loss(t, parse_args(["--epsilon_high", "0.28"]), {"normalizer": norm})
 loss.backward()
 want = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
 want_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in want.values()))

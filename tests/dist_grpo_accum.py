@@ -12,7 +12,7 @@ sequence level) under ZeRO-3 equal the full-batch update too. With --entropy_coe
 and packed), the gradient of the fused entropy equals that of the full logits' entropy.
 --advantage_estimator on 2 ranks: each rank's advantages equal the full batch's (reinforce_pp
 whitens over both ranks' kept rows), and the update with them equals the full-batch update. And
-grpo.dynamic_sampling on 2 ranks: ranks sample extra rounds in lockstep up to the cap, a rank left
+dapo.dynamic_sampling on 2 ranks: ranks sample extra rounds in lockstep up to the cap, a rank left
 short marks its filler groups keep False, the stats are summed over ranks.
 Usage: torchrun --nproc_per_node 2 tests/dist_grpo_accum.py MODEL_DIR TMP_DIR
 """
@@ -24,23 +24,24 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from batching import loss_inputs
 from checks import exit_process
+from dapo import dynamic_sampling
 from fit import Knobs
 from generation import Generations
 from grpo import (
-    ADVANTAGE_ESTIMATORS,
     LOSS_TYPES,
-    batch_normalizer,
-    dynamic_sampling,
+    batch_stats,
     estimate_advantages,
     group_advantages,
     grpo_loss,
     loss_normalizer,
     micro_plan,
     parse_args,
-    sampler_weights,
     update,
 )
+from rloo import ADVANTAGE_ESTIMATORS
+from vllm_is import sampler_weights
 from zero3_utils import all_cat, gathered
 
 model_dir = sys.argv[1]
@@ -97,21 +98,12 @@ def reference(loss_type, kept, coef=0.0, adv=None, is_w=None):
     ref_model.zero_grad()
     norm = loss_normalizer(cmask[kept], loss_type, C)
     logps, entropy = plain_logps(ref_model, entropy=True)
-    loss, _ = grpo_loss(
-        logps[kept],
-        old_logps[kept],
-        ref_logps[kept],
-        adv[kept],
-        cmask[kept],
-        beta=0.04,
-        epsilon_low=0.2,
-        epsilon_high=0.28,
-        loss_type=loss_type,
-        normalizer=norm,
-        entropy=entropy[kept],
-        entropy_coef=coef,
-        is_weights=None if is_w is None else is_w[kept],
-    )
+    mb = {"completion_mask": cmask, "old_logps": old_logps, "ref_logps": ref_logps}
+    mb.update(advantages=adv, is_weights=is_w)
+    mb = {k: None if v is None else v[kept] for k, v in mb.items()}
+    t = loss_inputs(mb, logps[kept], entropy[kept], "cpu")
+    args = grpo_args(loss_type, 1, 0, False, ["--entropy_coef", str(coef)])
+    loss, _ = grpo_loss(t, args, {"normalizer": norm})
     loss.backward()
     return loss.detach(), norm, {n: p.grad.clone() for n, p in ref_model.named_parameters()}
 
@@ -145,14 +137,14 @@ def check(label, stage, args, keep, want_loss, want_norm, want, atol=1e-7, input
     }
     label = f"{args.loss_type} zero{stage} {label}"
     plan = micro_plan(batch, args)
-    got_norm = batch_normalizer(batch, plan, args)
+    got_norm = batch_stats(batch, plan, args)["normalizer"]
     if got_norm != want_norm:
         failures.append(f"{label}: normaliser {got_norm} != {want_norm}")
     totals = update(engine, batch, args, torch.device("cpu"))
     kept = 8 if keep is None else int(keep.sum())
     if totals["rows"] != kept or totals["updated"] != float(kept > 0):
         failures.append(f"{label}: rows {totals['rows']} updated {totals['updated']}")
-    got_loss = torch.tensor(totals["loss"])  # summed over ranks: the full-batch loss
+    got_loss = torch.tensor(totals["sums"].get("loss", 0.0))  # over ranks: the full-batch loss
     if not torch.allclose(got_loss, want_loss, rtol=1e-5, atol=1e-7):
         failures.append(f"{label}: loss {got_loss.item():.8g} != {want_loss.item():.8g}")
     with gathered(engine.module):
@@ -220,7 +212,7 @@ for micro, budget, packing in ((1, 0, False), (4, 22, True)):
     )
 
 # Per-token inputs: on-policy distillation's (B, C) advantages and masked importance weights
-# (grpo.sampler_weights: tokens and whole sequences outside the band weigh 0), ZeRO-3, padded and
+# (vllm_is.sampler_weights: tokens and whole sequences outside the band weigh 0), ZeRO-3, padded and
 # packed, one micro-batch per row or a token budget: the update equals the full-batch update
 gen = torch.Generator().manual_seed(5)
 per_token = advantages[:, None] + 0.5 * torch.randn(B, C, generator=gen)  # (B, C)

@@ -56,7 +56,7 @@ def step(engine, guard, n, nan_on_rank1):
     b = dict(batch, advantages=batch["advantages"].clone())
     if nan_on_rank1 and rank == 1:
         b["advantages"][0] = float("nan")
-    loss = update(engine, b, args, torch.device("cpu"))["loss"]  # summed over ranks
+    loss = update(engine, b, args, torch.device("cpu"))["sums"]["loss"]  # summed over ranks
     norm = engine.get_global_grad_norm()
     guard.update(n, loss, None if norm is None else float(norm), not engine.was_step_applied())
     return engine.was_step_applied(), loss

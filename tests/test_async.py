@@ -25,8 +25,9 @@ import torch
 import conftest
 from checks import RunError
 from conftest import ROOT, free_port, train_rows
-from grpo import importance_cap, parse_args, vllm_importance_weights
+from grpo import parse_args
 from prefetch import Prefetcher
+from vllm_is import importance_cap, vllm_importance_weights
 
 
 class Flaky(RuntimeError):
@@ -100,15 +101,8 @@ def test_flags_and_importance_weights():
     gap = torch.tensor([0.0, math.log(2.0), math.log(5.0), -1.0])[:, None].expand(4, 5)
     mask = torch.ones(4, 5, dtype=torch.long)
     mask[3, 3:] = 0
-    batch = {
-        "old_logps": sampler + gap,
-        "sampler_logps": sampler,
-        "completion_mask": mask,
-        "input_ids": torch.zeros(4, 8, dtype=torch.long),
-        "keep": None,
-        "truncated": torch.zeros(4, dtype=torch.bool),
-    }
-    weights, stats = vllm_importance_weights(batch, args)  # (B, C)
+    # every row trained: the loss's tokens are the trained ones
+    weights, stats = vllm_importance_weights(sampler + gap, sampler, mask, mask, args)  # (B, C)
     assert stats["vllm_is_ratio"] == pytest.approx((5 * 1 + 5 * 2 + 5 * 5 + 3 * math.exp(-1)) / 18)
     assert stats["vllm_is_outside_tokens"] == pytest.approx(5 / 18)  # row 2's tokens: 5 > 3
     assert stats["vllm_is_outside_seqs"] == 0.5  # rows 1 and 2: 2^5 and 5^5 > 3; row 3: e^-3
@@ -116,8 +110,7 @@ def test_flags_and_importance_weights():
     torch.testing.assert_close(weights[1], torch.full((5,), 2.0))
     assert torch.equal(weights[2], torch.full((5,), 3.0))  # capped
     torch.testing.assert_close(weights[3, :3], torch.full((3,), math.exp(-1.0)))
-    batch["old_logps"] = sampler.clone()
-    weights, stats = vllm_importance_weights(batch, args)
+    weights, stats = vllm_importance_weights(sampler.clone(), sampler, mask, mask, args)
     assert torch.equal(weights, torch.ones(4, 5))
     assert stats == {
         "vllm_is_ratio": 1.0,

@@ -94,7 +94,8 @@ def test_the_length_limit_cuts_and_counts(tokenizer):
 def test_trainer_logps_loss_and_gradient(tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from grpo import grpo_loss, loss_normalizer, loss_tokens
+    from batching import loss_inputs
+    from grpo import grpo_loss, loss_normalizer, loss_tokens, parse_args
     from tiny_models import build_family
 
     path = build_family(str(tmp_path / "m"), "qwen2", tokenizer_dir=TOKENIZER, hidden_size=64)
@@ -123,18 +124,9 @@ def test_trainer_logps_loss_and_gradient(tokenizer, tmp_path):
             count += 1
     assert P > 0 and count == int(mask.sum())
     logps = padded.detach().requires_grad_()
-    loss, _ = grpo_loss(
-        logps,
-        None,
-        None,
-        advantages,
-        mask,
-        beta=0.0,
-        epsilon_low=0.2,
-        epsilon_high=0.2,
-        loss_type="bnpo",
-        normalizer=loss_normalizer(mask, "bnpo", 300),
-    )
+    t = loss_inputs({**mb, "advantages": advantages}, logps, torch.zeros_like(logps), "cpu", mask)
+    stats = {"normalizer": loss_normalizer(mask, "bnpo", 300)}
+    loss, _ = grpo_loss(t, parse_args(["--loss_type", "bnpo"]), stats)
     torch.testing.assert_close(loss, torch.tensor(naive_sum / count))
     loss.backward()
     env = (mb["completion_mask"] - mask).bool()  # (2, C)

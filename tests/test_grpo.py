@@ -8,20 +8,39 @@ import pytest
 import torch
 
 import harness
+from batching import loss_inputs
 from conftest import torchrun
 from fit import Knobs
 from grpo import (
-    ADVANTAGE_ESTIMATORS,
     LOSS_TYPES,
-    VLLM_IMPORTANCE_MODES,
     estimate_advantages,
     group_advantages,
     grpo_loss,
     loss_normalizer,
-    sampler_weights,
+    parse_args,
 )
+from rloo import ADVANTAGE_ESTIMATORS
+from vllm_is import VLLM_IMPORTANCE_MODES, sampler_weights
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def loss_of(lp, old, ref, adv, mask, flags=(), weights=None, entropy=None, normalizer=None):
+    """grpo_loss as train_on_batch calls it: a micro-batch's tensors through batching.loss_inputs
+    (old None: on-policy, the current log-probs detached), the coefficients from grpo.py's own
+    Args (flags: its command line), the normaliser of these rows alone unless given."""
+    args = parse_args([str(f) for f in flags])
+    mb = {"completion_mask": mask, "old_logps": old, "ref_logps": ref, "advantages": adv}
+    mb["is_weights"] = weights
+    entropy = torch.zeros_like(lp) if entropy is None else entropy
+    t = loss_inputs(mb, lp, entropy, torch.device("cpu"))
+    if normalizer is None:
+        normalizer = loss_normalizer(mask, args.loss_type, mask.shape[1])
+    return grpo_loss(t, args, {"normalizer": normalizer})
+
+
+def clip_flags(beta, el, eh, loss_type):
+    return ["--beta", beta, "--epsilon_low", el, "--epsilon_high", eh, "--loss_type", loss_type]
 
 
 def naive_advantages(rewards, G, scale, eps=1e-4):
@@ -171,20 +190,9 @@ def test_grpo_loss_matches_naive(loss_type, beta, clip, iterations, coef):
     )
     want.backward()
     lp, en = logps.clone().requires_grad_(True), ent.clone().requires_grad_(True)
-    loss, metrics = grpo_loss(
-        lp,
-        old if iterations > 1 else None,
-        ref if beta else None,
-        adv,
-        mask,
-        beta=beta,
-        epsilon_low=el,
-        epsilon_high=eh,
-        loss_type=loss_type,
-        normalizer=loss_normalizer(mask, loss_type, C),
-        entropy=en,
-        entropy_coef=coef,
-    )
+    flags = clip_flags(beta, el, eh, loss_type) + ["--entropy_coef", coef]
+    old_, ref_ = old if iterations > 1 else None, ref if beta else None
+    loss, metrics = loss_of(lp, old_, ref_, adv, mask, flags, entropy=en)
     assert loss.item() == pytest.approx(want.item(), rel=1e-10, abs=1e-12)
     assert metrics["tokens"].item() == mask.sum().item()
     if iterations > 1:  # with these ratios some tokens clip on each side
@@ -207,8 +215,8 @@ def test_cispo_keeps_every_tokens_gradient():
     grads = {}
     for loss_type in ("bnpo", "cispo"):
         lp = logps.clone().requires_grad_(True)
-        kw = dict(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type=loss_type)
-        loss, metrics = grpo_loss(lp, old, None, adv, mask, normalizer=1.0, **kw)
+        flags = clip_flags(0.0, 0.2, 0.2, loss_type)
+        loss, metrics = loss_of(lp, old, None, adv, mask, flags, normalizer=1.0)
         loss.backward()
         grads[loss_type] = lp.grad
     on = mask.bool()
@@ -245,19 +253,7 @@ def test_sampler_weights_match_naive(mode):
                 want = r if low <= r <= cap else 0.0
             assert got[b, t].item() == pytest.approx(want, rel=1e-9), (b, t)
     logps = old.clone().requires_grad_()
-    loss, _ = grpo_loss(
-        logps,
-        old,
-        None,
-        torch.ones(B, dtype=torch.float64),
-        mask,
-        beta=0.0,
-        epsilon_low=0.2,
-        epsilon_high=0.2,
-        loss_type="bnpo",
-        normalizer=loss_normalizer(mask, "bnpo", C),
-        is_weights=got,
-    )
+    loss, _ = loss_of(logps, old, None, torch.ones(B, dtype=torch.float64), mask, weights=got)
     loss.backward()
     assert torch.equal(logps.grad != 0, (got != 0) & (mask == 1))  # masked: no gradient
 
@@ -266,46 +262,15 @@ def test_grpo_loss_is_weights_and_errors():
     logps, old, ref, adv, mask = make_batch()
     is_w = torch.rand_like(logps)
     want = naive_loss(logps, old, ref, adv, mask.tolist(), 0.0, 0.2, 0.2, "bnpo", 5, is_w=is_w)
-    loss, _ = grpo_loss(
-        logps,
-        old,
-        None,
-        adv,
-        mask,
-        beta=0.0,
-        epsilon_low=0.2,
-        epsilon_high=0.2,
-        loss_type="bnpo",
-        normalizer=loss_normalizer(mask, "bnpo", 5),
-        is_weights=is_w,
-    )
+    loss, _ = loss_of(logps, old, None, adv, mask, weights=is_w)
     assert loss.item() == pytest.approx(want.item(), rel=1e-10)
+    args = parse_args([])
+    args.loss_type = "sum"  # past the flag's own check: grpo_loss refuses it too
+    t = loss_inputs({"completion_mask": mask, "advantages": adv}, logps, logps, torch.device("cpu"))
     with pytest.raises(ValueError, match="loss_type"):
-        grpo_loss(
-            logps,
-            old,
-            None,
-            adv,
-            mask,
-            beta=0.0,
-            epsilon_low=0.2,
-            epsilon_high=0.2,
-            loss_type="sum",
-            normalizer=1.0,
-        )
+        grpo_loss(t, args, {"normalizer": 1.0})
     with pytest.raises(ValueError, match="ref_logps"):
-        grpo_loss(
-            logps,
-            old,
-            None,
-            adv,
-            mask,
-            beta=0.1,
-            epsilon_low=0.2,
-            epsilon_high=0.2,
-            loss_type="grpo",
-            normalizer=1.0,
-        )
+        loss_of(logps, old, None, adv, mask, ["--beta", 0.1])
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -321,30 +286,36 @@ def test_gspo_sequence_level_matches_naive(loss_type, beta, iterations):
     want = naive_loss(naive_lp, old, ref, adv, mask.tolist(), beta, 0.1, 0.3, loss_type, C, **kw)
     want.backward()
     lp = logps.clone().requires_grad_(True)
-    kw = dict(beta=beta, epsilon_low=0.1, epsilon_high=0.3, loss_type=loss_type)
-    kw["normalizer"] = loss_normalizer(mask, loss_type, C)
+    flags = clip_flags(beta, 0.1, 0.3, loss_type)
     old_ = old if iterations > 1 else None
     ref_ = ref if beta else None
-    loss, _ = grpo_loss(lp, old_, ref_, adv, mask, importance_sampling_level="sequence", **kw)
+    loss, _ = loss_of(
+        lp, old_, ref_, adv, mask, flags + ["--importance_sampling_level", "sequence"]
+    )
     loss.backward()
     assert loss.item() == pytest.approx(want.item(), rel=1e-10, abs=1e-12)
     torch.testing.assert_close(lp.grad, naive_lp.grad, rtol=1e-9, atol=1e-12)
     token_lp = logps.clone().requires_grad_(True)
-    token, _ = grpo_loss(token_lp, old_, ref_, adv, mask, **kw)
+    token, _ = loss_of(token_lp, old_, ref_, adv, mask, flags)
     token.backward()
     if iterations > 1:  # ratios leave 1: the sequence-level loss is not the token-level one
         assert abs(token.item() - loss.item()) > 1e-6
     else:  # the old policy is the current one: both levels give the same update
         torch.testing.assert_close(token_lp.grad, lp.grad, rtol=1e-9, atol=1e-12)
+    args = parse_args([str(f) for f in flags])
+    args.importance_sampling_level = "seq"  # past the flag's own check: grpo_loss refuses it too
     with pytest.raises(ValueError, match="importance_sampling_level"):
-        grpo_loss(lp, old_, ref_, adv, mask, importance_sampling_level="seq", **kw)
+        grpo_loss(
+            loss_inputs({"completion_mask": mask, "advantages": adv}, lp, lp, "cpu"), args, {}
+        )
 
 
 def test_mask_truncated_completions_drops_rows_cut_at_the_length():
     """A completion is truncated when it fills max_completion_length without ending in a stop id;
     --mask_truncated_completions drops it from the update's plan (and so from the normaliser)."""
+    from dapo import truncated
     from generation import Generations
-    from grpo import keep_mask, micro_plan, parse_args, truncated
+    from grpo import keep_mask, micro_plan, parse_args
 
     ids = torch.tensor([[5, 6, 2], [5, 2, 0], [5, 6, 7], [7, 0, 0]])  # stop id 2, C = 3
     gens = Generations(ids, (ids != 0).long())
@@ -363,8 +334,9 @@ def test_mask_truncated_completions_drops_rows_cut_at_the_length():
 
 def test_dynamic_sampling_refills_to_the_batch_size_and_stops_at_the_cap():
     """One process: groups without reward spread out, extra rounds until N groups or the cap."""
+    from dapo import dynamic_sampling
     from generation import Generations
-    from grpo import dynamic_sampling, parse_args
+    from grpo import parse_args
 
     def sample(group_rewards):
         n = len(group_rewards)
@@ -429,14 +401,13 @@ def test_entropy_bonus_gradient_equals_full_logits_entropy(tiny_model, loss_type
     )
     old = torch.randn(B, C, dtype=torch.float64) * 0.3 - 3
     adv, mask = torch.randn(B, dtype=torch.float64), mb["completion_mask"]
-    kw = dict(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type=loss_type)
-    kw["normalizer"] = loss_normalizer(mask, loss_type, C)
+    flags = clip_flags(0.0, 0.2, 0.2, loss_type) + ["--entropy_coef", 0.5]
     grads = []
     for fused in (True, False):
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
         if fused:
             logps, ent = forward_logps(model, mb, T, False, cpu, return_entropy=True)
-            loss, _ = grpo_loss(logps, old, None, adv, mask, entropy=ent, entropy_coef=0.5, **kw)
+            loss, _ = loss_of(logps, old, None, adv, mask, flags, entropy=ent)
         else:  # (B, T, V) logits, one token at a time
             logits = model(input_ids=ids, attention_mask=am.long()).logits[:, P - 1 : -1] / T
             lsm = logits.log_softmax(-1)  # (B, C, V)
@@ -459,15 +430,15 @@ def test_micro_batch_losses_sum_to_full_batch(loss_type):
     the batch-wide normaliser makes the split irrelevant."""
     logps, old, ref, adv, mask = make_batch(B=8, C=6, seed=1)
     norm = loss_normalizer(mask, loss_type, 6)
-    kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, normalizer=norm)
+    kw = dict(flags=clip_flags(0.04, 0.2, 0.28, loss_type), normalizer=norm)
     full_lp = logps.clone().requires_grad_(True)
-    full, _ = grpo_loss(full_lp, old, ref, adv, mask, **kw)
+    full, _ = loss_of(full_lp, old, ref, adv, mask, **kw)
     full.backward()
     for micro in (1, 2, 4):
         lp = logps.clone().requires_grad_(True)
         total = 0.0
         for s in range(0, 8, micro):
-            part, _ = grpo_loss(
+            part, _ = loss_of(
                 lp[s : s + micro],
                 old[s : s + micro],
                 ref[s : s + micro],
@@ -616,7 +587,7 @@ def test_distill_advantages_and_per_token_advantages_match_naive():
     """On-policy distillation: each sampled token's advantage is coef x (teacher - student
     log-prob), plus the sequence's reward advantage unless distill_only; grpo_loss weighs each
     token by its own advantage, and a row-constant (B, C) advantage is the (B,) one."""
-    from grpo import distill_advantages
+    from distill import distill_advantages
 
     torch.manual_seed(0)
     B, C, coef = 3, 4, 0.5
@@ -629,15 +600,14 @@ def test_distill_advantages_and_per_token_advantages_match_naive():
             d = -coef * float(student[i, t] - teacher[i, t]) * float(mask[i, t])
             assert math.isclose(float(alone[i, t]), d, abs_tol=1e-6)
             assert math.isclose(float(both[i, t]), float(adv[i]) + d, abs_tol=1e-6)
-    kw = dict(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, loss_type="bnpo")
     logps = torch.randn(B, C, requires_grad=True)
     n = float(mask.sum())
-    loss, _ = grpo_loss(logps, None, None, both, mask, normalizer=n, **kw)
+    loss, _ = loss_of(logps, None, None, both, mask, normalizer=n)
     loss.backward()
     # on-policy the ratio is 1 and unclipped: loss = -sum(A_t) / n, d loss / d logp_t = -A_t / n
     naive = -sum(float(both[i, t]) for i in range(B) for t in range(C) if mask[i, t]) / n
     assert math.isclose(loss.item(), naive, rel_tol=1e-5)
     torch.testing.assert_close(logps.grad, -both * mask / n)
-    per_row, _ = grpo_loss(logps, None, None, adv, mask, normalizer=n, **kw)
-    per_token, _ = grpo_loss(logps, None, None, adv[:, None].expand(B, C), mask, normalizer=n, **kw)
+    per_row, _ = loss_of(logps, None, None, adv, mask, normalizer=n)
+    per_token, _ = loss_of(logps, None, None, adv[:, None].expand(B, C), mask, normalizer=n)
     torch.testing.assert_close(per_row, per_token)
