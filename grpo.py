@@ -35,7 +35,6 @@ import distill
 import envs
 import harness
 import recipes
-import rloo
 import vllm_is
 from arguments import arg
 from async_rollouts import AsyncArgs, async_sample, start_prefetch
@@ -56,12 +55,15 @@ from distill import DistillArgs, teacher_advantages
 from fit import Knobs
 from generation import Generations, sampler_logp_gap
 from gspo import IMPORTANCE_SAMPLING_LEVELS, sequence_log_ratio
-from rloo import ESTIMATOR_SCALES, RlooArgs, baseline_advantages
+from rloo import baseline_advantages
 from tasks import reward_stats
 from vllm_is import VllmIsArgs, importance_cap, vllm_importance_weights
 from zero3_utils import all_cat
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "cispo")
+# --advantage_estimator: each one's --scale_rewards when not given (rloo.py: rloo, reinforce_pp)
+ESTIMATOR_SCALES = {"grpo": True, "rloo": False, "reinforce_pp": True}
+ADVANTAGE_ESTIMATORS = tuple(ESTIMATOR_SCALES)
 
 
 # ---- The algorithm: advantages and loss (pure functions, unit-tested against naive loops) ----
@@ -87,7 +89,7 @@ def group_advantages(rewards, num_generations, scale=True, eps=1e-4):
 
 def estimate_advantages(rewards, num_generations, estimator="grpo", scale=None, keep=None):
     """(N * G,) advantages by --advantage_estimator: grpo's group_advantages, scaled unless
-    `scale` is False (None: the estimator's own, rloo.ESTIMATOR_SCALES); rloo and reinforce_pp:
+    `scale` is False (None: the estimator's own, ESTIMATOR_SCALES); rloo and reinforce_pp:
     rloo.py (reinforce_pp whitens over the kept rows of every rank: keep (N * G,) bool, None:
     all; a collective, so every rank calls it)."""
     if estimator == "grpo":
@@ -196,8 +198,8 @@ def loss_tokens(b):
 
 # ---- Configuration: GRPO's own fields (harness.RunArgs has the ones both loops share) -----------
 @dataclass
-class Args(harness.RunArgs, RlooArgs, DapoArgs, VllmIsArgs, DistillArgs, AsyncArgs, envs.EnvArgs):
-    # the variants' flags come with their files (rloo, dapo, vllm_is, distill, async_rollouts, envs)
+class Args(harness.RunArgs, DapoArgs, VllmIsArgs, DistillArgs, AsyncArgs, envs.EnvArgs):
+    # the variants' flags come with their files (dapo, vllm_is, distill, async_rollouts, envs)
     recipe: str = arg("", recipes.recipe_help(recipes.GRPO))
     num_generations: int = arg(
         8, "G: completions per prompt", ">= 2", why="advantages compare completions within a group"
@@ -206,6 +208,12 @@ class Args(harness.RunArgs, RlooArgs, DapoArgs, VllmIsArgs, DistillArgs, AsyncAr
         "bnpo",
         f"one of {LOSS_TYPES}; cispo: -stopgrad(min(r, 1 + epsilon_high)) A logp per token",
         LOSS_TYPES,
+    )
+    advantage_estimator: str = arg(
+        "grpo",
+        f"one of {ADVANTAGE_ESTIMATORS}; grpo: r - group mean; rloo: r - the others' mean "
+        "(unscaled); reinforce_pp: r - group mean, whitened over the whole batch (rloo.py)",
+        ADVANTAGE_ESTIMATORS,
     )
     entropy_coef: float = arg(0.0, "entropy bonus: loss -= coef x token entropy", ">= 0")
     importance_sampling_level: str = arg(
@@ -230,7 +238,14 @@ class Args(harness.RunArgs, RlooArgs, DapoArgs, VllmIsArgs, DistillArgs, AsyncAr
 def parse_args(argv=None):
     """Args as given (argv, default sys.argv[1:]), checked on their own (no file read yet)."""
     args = harness.parse(Args, recipes.GRPO, argv)
-    for variant in (rloo, async_rollouts, distill, vllm_is):
+    est, scale = args.advantage_estimator, args.scale_rewards
+    if est != "grpo" and scale not in (None, ESTIMATOR_SCALES[est]):  # grpo's advantage, rescaled
+        raise RunError(
+            f"--advantage_estimator {est} needs --scale_rewards {not scale} (docs/update.md), its "
+            f"default: leave the flag out, or use --advantage_estimator grpo --scale_rewards "
+            f"{scale} for this advantage"
+        )
+    for variant in (async_rollouts, distill, vllm_is):  # each variant's checks of its flags
         variant.check_args(args)
     if sum(map(bool, (args.env, args.dynamic_sampling, args.max_staleness))) > 1:  # 3 rollouts
         raise RunError("--env, --dynamic_sampling and --max_staleness > 0: one at a time")

@@ -39,13 +39,16 @@ import recipes
 from arguments import arg
 from batching import (
     all_sum,
+    all_sum_dict,
     forward_logps,
+    loss_inputs,
     make_batch,
     micro_batches,
     mini_batch_plans,
     plan_micro_batches,
 )
 from checks import RunError, entry_code, exit_process
+from cispo import cispo_per_token
 from critic import build_critic, forward_values
 from data import batch_rows
 from fit import Knobs
@@ -115,43 +118,35 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
 POLICY_LOSSES = ("ppo", "cispo")
 
 
-def policy_loss(
-    logps,
-    old_logps,
-    advantages,
-    mask,
-    clip_eps,
-    normalizer,
-    loss_type="ppo",
-    entropy=None,
-    coef=0.0,
-):
+def policy_loss(t, args, normalizer):
     """Clipped surrogate: sum of max(-A r, -A clip(r, 1 - eps, 1 + eps)) over tokens / normalizer.
 
-    logps (B, C) with grad, old_logps and advantages (B, C), mask (B, C). normalizer: the WHOLE
-    mini-batch's token count (all micro-batches, all ranks). Returns (loss, token-level metric
-    sums). loss_type "cispo" (MiniMax-M1): -stopgrad(min(r, 1 + eps)) A logp per token, so no
-    token loses its gradient to clipping; "clip" then counts the tokens whose weight was capped.
-    entropy (B, C) with grad and coef > 0: an entropy bonus, -coef x entropy per token.
+    t: batching.LossInputs (B, C): logps with grad, old_logps, advantages (B, C), mask, entropy
+    with grad. args: cliprange (eps), loss_type, entropy_coef. normalizer: the WHOLE mini-batch's
+    token count (all micro-batches, all ranks). Returns (loss, metrics: named sums over tokens,
+    "policy_loss" the loss itself). loss_type "cispo" (cispo.py): -stopgrad(min(r, 1 + eps)) A
+    logp per token, so no token loses its gradient to clipping; "clip" then counts the tokens
+    whose weight was capped. entropy_coef > 0: an entropy bonus, -coef x entropy per token.
     """
-    mask = mask.to(logps.dtype)  # (B, C)
-    log_ratio = logps - old_logps  # (B, C)
+    mask, adv, eps = t.mask, t.advantages, args.cliprange  # mask, adv: (B, C)
+    log_ratio = t.logps - t.old_logps  # (B, C)
     ratio = torch.exp(log_ratio)  # (B, C)
-    unclipped = -advantages * ratio  # (B, C)
-    clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)  # (B, C)
-    if loss_type == "cispo":  # the capped ratio as a constant weight of the score function
-        per_token = -ratio.clamp(max=1 + clip_eps).detach() * advantages * logps  # (B, C)
-        is_clipped = ratio > 1 + clip_eps  # (B, C)
-    elif loss_type == "ppo":
+    unclipped = -adv * ratio  # (B, C)
+    clipped = -adv * ratio.clamp(1 - eps, 1 + eps)  # (B, C)
+    if args.loss_type == "cispo":  # the capped ratio as a constant weight of the score function
+        per_token, is_clipped = cispo_per_token(ratio, adv, t.logps, eps)  # (B, C), (B, C)
+    elif args.loss_type == "ppo":
         per_token, is_clipped = torch.max(unclipped, clipped), clipped > unclipped  # (B, C)
     else:
-        raise ValueError(f"loss_type={loss_type!r}: choose one of {POLICY_LOSSES}")
-    if coef:  # only then: an unused entropy gets no backward work
-        per_token = per_token - coef * entropy  # (B, C)
+        raise ValueError(f"loss_type={args.loss_type!r}: choose one of {POLICY_LOSSES}")
+    if args.entropy_coef:  # only then: an unused entropy gets no backward work
+        per_token = per_token - args.entropy_coef * t.entropy  # (B, C)
     loss = (per_token * mask).sum() / normalizer
-    with torch.no_grad():
+    with torch.no_grad():  # sums over tokens: update() adds them up, the row divides by tokens
         metrics = {
+            "policy_loss": loss,
             "tokens": mask.sum(),
+            "entropy": (t.entropy * mask).sum(),
             "clip": (is_clipped * mask).sum(),
             "ratio": (ratio * mask).sum(),
             "approx_kl": ((ratio - 1 - log_ratio) * mask).sum(),
@@ -162,7 +157,8 @@ def policy_loss(
 def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
     """0.5 max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2) summed over tokens / normalizer.
 
-    values (B, C) with grad; old_values, returns, mask (B, C). Returns (loss, metric sums).
+    values (B, C) with grad; old_values, returns, mask (B, C). Returns (loss, metric sums:
+    "value_loss" the loss itself).
     """
     mask = mask.to(values.dtype)  # (B, C)
     # (B, C)
@@ -171,10 +167,7 @@ def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
     loss_clipped = (v_clipped - returns) ** 2  # (B, C)
     loss = 0.5 * (torch.max(loss_unclipped, loss_clipped) * mask).sum() / normalizer
     with torch.no_grad():
-        metrics = {
-            "vf_clip": ((loss_clipped > loss_unclipped) * mask).sum(),
-            "value": (values * mask).sum(),
-        }
+        metrics = {"value_loss": loss, "vf_clip": ((loss_clipped > loss_unclipped) * mask).sum()}
     return loss, metrics
 
 
@@ -340,22 +333,6 @@ def rollout_forwards(scorers, batch, plan, times):
 
 
 # ---- The update ------------------------------------------------------------------------------
-# what update() returns summed over ranks: the same keys on every rank, whatever it trained on (a
-# key missing on one rank would make the ranks' all-reduces disagree and hang them)
-UPDATE_METRICS = (
-    "policy_loss",
-    "value_loss",
-    "tokens",
-    "entropy",
-    "clip",
-    "ratio",
-    "approx_kl",
-    "vf_clip",
-    "value",
-    "skipped",
-)
-
-
 def mini_batch_normalizer(batch, group):
     """A mini-batch's loss denominator: its completion tokens over the real micro-batches of every
     rank (zero-weight repeats add nothing), at least 1. The one place it is computed."""
@@ -365,8 +342,9 @@ def mini_batch_normalizer(batch, group):
 
 
 def update(actor, critic, batch, args, device, times, ledger=None, logps_out=None, knobs=None):
-    """The actor and critic update for one step's batch, on every rank alike; returns its metrics
-    summed over ranks (UPDATE_METRICS, the same keys on every rank). In order:
+    """The actor and critic update for one step's batch, on every rank alike; returns the losses'
+    metrics summed over micro-batches and ranks (whatever keys they return: the same on every
+    rank by construction). In order:
 
     1. the plan: num_mini_batches groups of micro-batches (batching.mini_batch_plans: the rows of
        a mini-batch depend only on num_mini_batches, never on the micro-batch knobs), ranks
@@ -377,8 +355,8 @@ def update(actor, critic, batch, args, device, times, ledger=None, logps_out=Non
        ranks undone (the world size), as in grpo.update;
     3. ppo_epochs passes, each: every mini-batch's micro-batches forward/backward (actor: clipped
        policy loss, critic: clipped value loss), then ONE optimizer step per model;
-    4. the metrics summed over ranks: the losses as the mean over mini-batch updates, token
-       sums, and "skipped" (> 0: DeepSpeed refused a non-finite optimizer step).
+    4. the metrics summed over ranks: the losses ("*_loss") as the mean over mini-batch updates,
+       token sums, and "skipped" (> 0: DeepSpeed refused a non-finite optimizer step).
     With a ledger, the whole of it is its "update" phase; seconds per model and pass are added to
     times. Without batch["old_logps"] (on-policy: needs_old_logps), each forward's own log-probs,
     detached, are the old ones. logps_out (B, C): filled with the first epoch's log-probs.
@@ -387,7 +365,7 @@ def update(actor, critic, batch, args, device, times, ledger=None, logps_out=Non
     world = actor.dp_world_size
     micro, tokens = knobs.per_device_train_batch_size, knobs.max_tokens_per_microbatch
     groups = mini_batch_plans(batch, args.num_mini_batches, micro, tokens)
-    sums, n_updates = dict.fromkeys(UPDATE_METRICS, 0.0), args.ppo_epochs * len(groups)
+    sums, n_updates = {"skipped": 0.0}, args.ppo_epochs * len(groups)
     phase = ledger.phase if ledger else lambda name: nullcontext()
     with phase("update"):
         for epoch in range(args.ppo_epochs):
@@ -407,19 +385,17 @@ def update(actor, critic, batch, args, device, times, ledger=None, logps_out=Non
                         device,
                         times,
                     )
-                    if weight:
-                        if logps_out is not None and epoch == 0:
-                            logps_out[idx, : mb["logits_to_keep"]] = logps.float().cpu()
-                        metrics["policy_loss"] /= n_updates  # summed: the mean mini-batch loss
-                        metrics["value_loss"] /= n_updates
-                        for k, v in metrics.items():
-                            sums[k] += float(v)
+                    if weight and logps_out is not None and epoch == 0:
+                        logps_out[idx, : mb["logits_to_keep"]] = logps.float().cpu()
+                    for k, v in metrics.items():  # a repeat's keys too, adding nothing
+                        v = v / n_updates if k.endswith("_loss") else v  # the mean update's
+                        sums[k] = sums.get(k, 0.0) + (float(v) if weight else 0.0)
                 with timed(times, "optimizer"):
                     actor.step()
                     critic.step()
                 # DeepSpeed refused a non-finite step (alike on every rank): counted once per rank
                 sums["skipped"] += (not actor.was_step_applied()) + (not critic.was_step_applied())
-    return dict(zip(UPDATE_METRICS, all_sum([sums[k] for k in UPDATE_METRICS])))
+    return all_sum_dict(sums)
 
 
 def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, knobs, device, times):
@@ -435,21 +411,8 @@ def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, knob
         logps, entropy = forward_logps(
             actor, mb, args.temperature, args.packing, device, **kw
         )  # (b, c)
-        # on-policy (no old_logps): this forward is the sampling policy's, the ratio is 1
-        old = mb.get("old_logps")
-        old_logps = logps.detach() if old is None else old.to(device)  # (b, c)
-        advantages = mb["advantages"].to(device)  # (b, c)
-        pl, pm = policy_loss(
-            logps,
-            old_logps,
-            advantages,
-            mask,
-            args.cliprange,
-            normalizer,
-            args.loss_type,
-            entropy,
-            args.entropy_coef,
-        )
+        # on-policy (no old_logps): this forward, detached, is the old policy: the ratio is 1
+        pl, pm = policy_loss(loss_inputs(mb, logps, entropy, device), args, normalizer)
     with timed(times, "actor_backward"):
         actor.backward(pl * scale, scale_wrt_gas=False)
     critic.set_gradient_accumulation_boundary(boundary)
@@ -459,9 +422,7 @@ def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, knob
         vl, vm = value_loss(values, old_values, returns, mask, args.cliprange_value, normalizer)
     with timed(times, "critic_backward"):
         critic.backward(vl * scale, scale_wrt_gas=False)
-    entropy = (entropy.detach() * mask).sum()
-    losses = {"policy_loss": pl.detach(), "value_loss": vl.detach()}
-    return {**pm, **vm, "entropy": entropy, **losses}, logps.detach()
+    return {**pm, **vm}, logps.detach()
 
 
 # ---- The loop --------------------------------------------------------------------------------
@@ -550,6 +511,7 @@ def main(argv=None):
         t_update = time.time() - t1
 
         # 5. the step's row, the held-out score when due, a checkpoint when due
+        losses = {k: v for k, v in totals.items() if k not in ("tokens", "skipped")}
         norms = [e.get_global_grad_norm() for e in (engine, critic_engine)]
         norms = None if None in norms else max(float(n) for n in norms)  # non-finite if either is
         sums = all_sum(
@@ -563,10 +525,8 @@ def main(argv=None):
             "kl": sums[0] / sums[1],
             "value_mean": sums[2] / sums[1],
             "return_mean": sums[3] / sums[1],
-            "policy_loss": totals["policy_loss"],
-            "value_loss": totals["value_loss"],
-            **{k: totals[k] / totals["tokens"] for k in ("entropy", "ratio", "approx_kl", "clip")},
-            "vf_clip": totals["vf_clip"] / totals["tokens"],
+            # the losses' metrics: a loss as it is, every other sum as its mean per token
+            **{k: v if k.endswith("_loss") else v / totals["tokens"] for k, v in losses.items()},
             "lr": engine.get_lr()[0],
             "grad_norm_max": norms,
             "rollout_s": t_rollout,

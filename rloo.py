@@ -8,41 +8,15 @@ reinforce_pp (REINFORCE++-baseline, Hu et al. 2025): r - group mean, then whiten
 rows of the whole batch, every rank: one global scale instead of a std per group, which GRPO's
 per-group division inflates for groups that are all-but-solved or all-but-failed.
 Letters: N prompts, G num_generations. Imports batching.py (a sum over ranks); remove this file,
-its mixin in grpo.Args and the line of grpo.estimate_advantages that calls it to remove them.
+the line of grpo.estimate_advantages that calls it and their entries in grpo.ESTIMATOR_SCALES to
+remove them.
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from arguments import arg
 from batching import all_sum
-from checks import RunError
-
-ESTIMATOR_SCALES = {"grpo": True, "rloo": False, "reinforce_pp": True}  # --scale_rewards not given
-ADVANTAGE_ESTIMATORS = tuple(ESTIMATOR_SCALES)
-
-
-@dataclass
-class RlooArgs:
-    advantage_estimator: str = arg(
-        "grpo",
-        f"one of {ADVANTAGE_ESTIMATORS}; grpo: r - group mean; rloo: r - the others' mean "
-        "(unscaled); reinforce_pp: r - group mean, whitened over the whole batch",
-        ADVANTAGE_ESTIMATORS,
-    )
-
-
-def check_args(args):
-    """--scale_rewards must be the estimator's own (grpo's advantage is the one to rescale)."""
-    est, scale = args.advantage_estimator, args.scale_rewards
-    if est != "grpo" and scale not in (None, ESTIMATOR_SCALES[est]):
-        raise RunError(
-            f"--advantage_estimator {est} needs --scale_rewards {not scale} (docs/update.md), its "
-            f"default: leave the flag out, or use --advantage_estimator grpo --scale_rewards "
-            f"{scale} for this advantage"
-        )
 
 
 def baseline_advantages(centred, num_generations, estimator, keep=None):
@@ -52,7 +26,7 @@ def baseline_advantages(centred, num_generations, estimator, keep=None):
     if estimator == "rloo":  # r_i - (S - r_i) / (G - 1) = G / (G - 1) * (r_i - S / G)
         return centred * num_generations / (num_generations - 1)
     if estimator != "reinforce_pp":
-        raise ValueError(f"estimator={estimator!r}: choose one of {ADVANTAGE_ESTIMATORS}")
+        raise ValueError(f"estimator={estimator!r}: choose rloo or reinforce_pp")
     w = torch.ones_like(centred) if keep is None else keep.to(centred.dtype)  # (N * G,)
     sums = [(centred * w).sum().item(), (centred * centred * w).sum().item(), w.sum().item()]
     s, sq, n = all_sum(sums)

@@ -30,6 +30,7 @@ from dapo import dynamic_sampling
 from fit import Knobs
 from generation import Generations
 from grpo import (
+    ADVANTAGE_ESTIMATORS,
     LOSS_TYPES,
     batch_stats,
     estimate_advantages,
@@ -40,7 +41,6 @@ from grpo import (
     parse_args,
     update,
 )
-from rloo import ADVANTAGE_ESTIMATORS
 from vllm_is import sampler_weights
 from zero3_utils import all_cat, gathered
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from batching import micro_slice
+from batching import loss_inputs, micro_slice
 from checks import exit_process
 from ppo import (
     build_critic,
@@ -82,14 +82,8 @@ args = ppo_args(4, False, 0)
 n = float(cmask.sum())
 mb = micro_slice(full, torch.arange(B))
 c = mb["logits_to_keep"]
-loss, _ = policy_loss(
-    forward_logps(actor, mb, 1.0, False, cpu),
-    mb["old_logps"],
-    mb["advantages"],
-    mb["completion_mask"],
-    args.cliprange,
-    n,
-)
+lp = forward_logps(actor, mb, 1.0, False, cpu)
+loss, _ = policy_loss(loss_inputs(mb, lp, torch.zeros_like(lp), cpu), args, n)
 loss.backward()
 vloss, _ = value_loss(
     forward_values(critic, mb, False, cpu),
@@ -160,7 +154,11 @@ logits = actor(input_ids=ids, attention_mask=am, position_ids=pos).logits  # (B,
 lsm = logits[:, P - 1 : -1].log_softmax(-1)  # (B, C, V)
 logps, entropy = lsm.gather(-1, ids[:, P:, None])[..., 0], -(lsm.exp() * lsm).sum(-1)  # (B, C)
 adv, old = full["advantages"], full["old_logps"]
-loss, _ = policy_loss(logps, old, adv, cmask, 0.2, n, "cispo", entropy, 0.05)
+cispo = ppo_args(4, False, 0, ["--loss_type", "cispo", "--entropy_coef", "0.05"])
+t = loss_inputs(
+    {"completion_mask": cmask, "old_logps": old, "advantages": adv}, logps, entropy, cpu
+)
+loss, _ = policy_loss(t, cispo, n)
 loss.backward()
 want_cispo = {**want, **{("actor", k): p.grad.clone() for k, p in actor.named_parameters()}}
 for micro, packing in ((1, False), (2, True)):
@@ -172,9 +170,8 @@ for micro, packing in ((1, False), (2, True)):
 full["old_logps"] = base_logps
 actor, critic = models()
 mb = micro_slice(full, torch.arange(B))
-loss, _ = policy_loss(
-    forward_logps(actor, mb, 1.0, False, cpu), base_logps, mb["advantages"], cmask, 0.2, n
-)
+lp = forward_logps(actor, mb, 1.0, False, cpu)
+loss, _ = policy_loss(loss_inputs(mb, lp, torch.zeros_like(lp), cpu), ppo_args(1, False, 0), n)
 loss.backward()
 want_on = {k: p.grad.clone() for k, p in actor.named_parameters()}
 args = ppo_args(1, False, 0)

@@ -19,7 +19,6 @@ import torch
 
 import grpo
 import ppo
-import rloo
 from checks import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM, RunError, StepGuard, entry
 from conftest import ROOT, free_port, run_sh, torchrun
 from fit import OOM_HINTS
@@ -926,7 +925,7 @@ def test_the_advantage_estimator_brings_its_own_reward_scaling(capsys):
     rloo alone runs; the argument stays as given (None), and grpo.estimate_advantages, where it is
     used, takes None for the estimator's own. A pairing that contradicts the estimator, given
     explicitly, is still refused."""
-    for est in rloo.ADVANTAGE_ESTIMATORS:
+    for est in grpo.ADVANTAGE_ESTIMATORS:
         assert grpo.parse_args(["--advantage_estimator", est]).scale_rewards is None, est
     rewards, G = torch.tensor([0.0, 1.0, 1.0, 3.0, 2.0, 2.0, 0.0, 5.0]), 4
     args = grpo.parse_args([])

@@ -12,6 +12,7 @@ from batching import loss_inputs
 from conftest import torchrun
 from fit import Knobs
 from grpo import (
+    ADVANTAGE_ESTIMATORS,
     LOSS_TYPES,
     estimate_advantages,
     group_advantages,
@@ -19,7 +20,6 @@ from grpo import (
     loss_normalizer,
     parse_args,
 )
-from rloo import ADVANTAGE_ESTIMATORS
 from vllm_is import VLLM_IMPORTANCE_MODES, sampler_weights
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ppo
+from batching import loss_inputs
 from conftest import torchrun
 from ppo import (
     POLICY_LOSSES,
@@ -23,6 +24,15 @@ from ppo import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def policy_loss_of(lp, old, adv, mask, normalizer, flags=(), entropy=None):
+    """policy_loss as ppo.train_micro_batch calls it: the tensors through batching.loss_inputs
+    (old None: on-policy), the coefficients from ppo.py's own Args (flags: its command line)."""
+    mb = {"completion_mask": mask, "old_logps": old, "advantages": adv}
+    entropy = torch.zeros_like(lp) if entropy is None else entropy
+    t = loss_inputs(mb, lp, entropy, "cpu")
+    return policy_loss(t, parse_args([str(f) for f in flags]), normalizer)
 
 
 def naive_gae(rewards, values, mask, gamma, lam):
@@ -132,7 +142,7 @@ def test_policy_loss_hand_computed():
     ).requires_grad_()
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 7.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1, 0]])  # the last token is padding
-    loss, m = policy_loss(logps, old, adv, mask, clip_eps=0.2, normalizer=8.0)
+    loss, m = policy_loss_of(logps, old, adv, mask, 8.0, ["--cliprange", 0.2])
     # per token: max(-1.5, -1.2) = -1.2 (clipped); max(1.5, 1.2) = 1.5; max(-0.5, -0.8) = -0.5;
     # max(0.5, 0.8) = 0.8 (clipped); the masked token never counts
     assert loss.item() == pytest.approx((-1.2 + 1.5 - 0.5 + 0.8) / 8.0)
@@ -179,7 +189,8 @@ def test_policy_loss_matches_naive(loss_type, coef):
     (total / 7.0).backward()
     want_lp, want_en = lp.grad, en.grad
     lp, en = logps.clone().requires_grad_(True), ent.clone().requires_grad_(True)
-    loss, m = policy_loss(lp, old, adv, mask, 0.2, 7.0, loss_type, en, coef)
+    flags = ["--cliprange", 0.2, "--loss_type", loss_type, "--entropy_coef", coef]
+    loss, m = policy_loss_of(lp, old, adv, mask, 7.0, flags, entropy=en)
     loss.backward()
     assert loss.item() == pytest.approx(total.item() / 7.0, rel=1e-10)
     torch.testing.assert_close(lp.grad, want_lp)
@@ -190,8 +201,12 @@ def test_policy_loss_matches_naive(loss_type, coef):
         assert en.grad is None  # no bonus: the entropy's backward never runs
     if loss_type == "cispo":
         assert (lp.grad[mask == 1] != 0).all()
+    args = parse_args([])
+    args.loss_type = "grpo"  # past the flag's own check: policy_loss refuses it too
     with pytest.raises(ValueError, match="loss_type"):
-        policy_loss(lp, old, adv, mask, 0.2, 7.0, "grpo")
+        policy_loss(
+            loss_inputs({"completion_mask": mask, "advantages": adv}, lp, en, "cpu"), args, 7.0
+        )
     with pytest.raises(ppo.RunError, match="must be one of ppo"):
         parse_args(["--loss_type", "grpo"])
 
@@ -219,10 +234,9 @@ def test_losses_add_up_over_micro_batches():
     logps, old, adv = (torch.randn(6, 4, generator=g, dtype=torch.float64) * 0.3 for _ in range(3))
     mask = (torch.rand(6, 4, generator=g) > 0.2).long()
     n = float(mask.sum())
-    full, _ = policy_loss(logps, old, adv, mask, 0.2, n)
+    full, _ = policy_loss_of(logps, old, adv, mask, n)
     parts = sum(
-        policy_loss(logps[s], old[s], adv[s], mask[s], 0.2, n)[0]
-        for s in (slice(0, 2), slice(2, 6))
+        policy_loss_of(logps[s], old[s], adv[s], mask[s], n)[0] for s in (slice(0, 2), slice(2, 6))
     )
     assert full.item() == pytest.approx(parts.item())
     full, _ = value_loss(logps, old, adv, mask, 0.2, n)
