@@ -123,12 +123,17 @@ def grpo_loss(t, args, stats):
     WHOLE batch's statistics (batch_stats), computed before the micro-batches: "normalizer", so
     that the losses of all micro-batches on all ranks add up to the full-batch loss.
     metrics: named SUMS over this micro-batch's tokens ("loss" the loss itself); update() adds
-    them over micro-batches and ranks, step_row divides them by "tokens". A new term writes its
-    metric here and nowhere else.
+    them over micro-batches and ranks, step_row divides them by "tokens". A term writes its
+    metric where it computes it (token_sum), and nowhere else.
     """
     if args.loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={args.loss_type!r}: choose one of {LOSS_TYPES}")
     mask, eps_low, eps_high = t.mask, args.epsilon_low, args.epsilon_high  # mask: (B, C)
+    metrics = {}
+
+    def token_sum(x):  # a metric: x (B, C) summed over the loss's tokens, no gradient
+        return (x.detach() * mask).sum()
+
     log_ratio = t.logps - t.old_logps  # (B, C)
     if args.importance_sampling_level == "sequence":  # GSPO (gspo.py): one ratio per sequence
         log_ratio = sequence_log_ratio(log_ratio, mask)  # (B, C)
@@ -155,6 +160,7 @@ def grpo_loss(t, args, stats):
         d = t.ref_logps - t.logps  # (B, C)
         kl = torch.exp(d) - d - 1  # (B, C) k3 estimator, >= 0
         per_token = per_token + args.beta * kl  # (B, C)
+        metrics["kl"] = token_sum(kl)
     if args.entropy_coef:  # only then: an unused entropy gets no backward work
         per_token = per_token - args.entropy_coef * t.entropy  # (B, C)
     if args.loss_type == "grpo":
@@ -162,18 +168,8 @@ def grpo_loss(t, args, stats):
         loss = per_seq.sum() / stats["normalizer"]
     else:
         loss = (per_token * mask).sum() / stats["normalizer"]
-
-    with torch.no_grad():  # sums over tokens: update() adds them up over micro-batches and ranks
-        metrics = {
-            "loss": loss,
-            "tokens": mask.sum(),
-            "entropy": (t.entropy * mask).sum(),
-            "ratio": (ratio * mask).sum(),
-            "clip_low": (is_low * mask).sum(),
-            "clip_high": (is_high * mask).sum(),
-        }
-        if args.beta > 0:
-            metrics["kl"] = (kl * mask).sum()
+    metrics.update(loss=loss.detach(), tokens=mask.sum(), entropy=token_sum(t.entropy))
+    metrics.update(ratio=token_sum(ratio), clip_low=token_sum(is_low), clip_high=token_sum(is_high))
     return loss, metrics
 
 
