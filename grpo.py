@@ -15,13 +15,14 @@ Departures from the paper and why (docs/grpo.md has the rest):
   removes the length bias; "grpo" is the paper's per-sequence token mean.
 - k3 KL, but beta defaults to 0 (the paper: 0.04): then no reference model is built.
 - Asymmetric clipping [1 - epsilon_low, 1 + epsilon_high] (DAPO).
-- Truncated or masked importance weights against vLLM's log-probs (--vllm_importance_mode).
-- Every micro-batch loss is divided by the WHOLE batch's normaliser and DeepSpeed's averaging is
-  undone, so accumulation never changes the update.
-- Optional: CISPO, RLOO / REINFORCE++ advantages, an entropy bonus, on-policy distillation
-  (--teacher_model; docs/update.md), GSPO's sequence-level ratio, DAPO's dynamic sampling and
-  overlong filtering, multi-turn rollouts (--env, docs/envs.md), asynchronous GRPO
-  (--max_staleness, docs/async.md), LoRA (vLLM and the final model get merged weights).
+- Every micro-batch loss is divided by the WHOLE batch's normaliser (batch_stats) and
+  DeepSpeed's averaging is undone, so accumulation never changes the update.
+- Optional, each a file of its own with its flags, named where it plugs in: CISPO (cispo.py),
+  GSPO's sequence-level ratio (gspo.py), RLOO / REINFORCE++ advantages (rloo.py), DAPO's dynamic
+  sampling and overlong filtering (dapo.py), importance weights for vLLM's samples (vllm_is.py),
+  on-policy distillation (distill.py), asynchronous GRPO (async_rollouts.py, docs/async.md),
+  multi-turn rollouts (envs.py, docs/envs.md); in here: an entropy bonus, LoRA (vLLM and the
+  final model get merged weights). docs/changing.md: how to add your own.
 """
 
 import time
