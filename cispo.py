@@ -11,7 +11,7 @@ band: that token stops learning. CISPO keeps every token's gradient and clips on
 Normalised like GRPO's "bnpo" (by completion tokens) in grpo.py, by tokens in ppo.py. Its
 "clip" metrics count the tokens whose weight was capped (clip_high); nothing is clipped from
 below. Letters: B sequences, C completion tokens. Imports nothing of this project: remove this
-file and the `loss_type` choice that names it to remove the variant.
+file, its import and the `loss_type` choice that names it in grpo.py and ppo.py to remove it.
 """
 
 

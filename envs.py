@@ -2,8 +2,9 @@
 user) until it is done. The sampled token ids are kept exactly as sampled (never decoded and
 encoded again); only the environment's turns are tokenized, as the chat template's text between
 the end of the assistant turn and the next assistant prompt. The loss mask is 1 on sampled
-tokens and 0 on the environment's. Imports batching.py (the prompts) and zero3_utils.py (a max
-over ranks).
+tokens and 0 on the environment's. Imports batching.py (the prompts, a sum over ranks),
+generation.py (Generations), arguments.py (grpo.py's --env and --max_turns: EnvArgs) and
+zero3_utils.py (a max over ranks).
 
 An environment is a plain object that `--env module:factory` names; factory() makes one per
 conversation:

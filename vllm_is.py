@@ -7,7 +7,7 @@ old), so its log-prob of a sampled token differs from the trainer's. The update'
 against the trainer's old log-probs; this file weighs each token by r = exp(trainer - vLLM)
 (token_*) or its sequence by the product over its tokens (sequence_*, as TRL): *_truncate clamps
 r to [min, cap] (truncated importance sampling), *_mask gives no loss where r is outside (IcePop;
-masked importance sampling). The weights enter the loss as grpo.LossInputs.weights.
+masked importance sampling). The weights enter the loss as batching.LossInputs.weights.
 Letters: B sequences, C completion tokens. Imports batching.py (a sum over ranks); remove this
 file, its mixin in grpo.Args and the lines of grpo.py that name `vllm_is` to remove it.
 """

@@ -66,11 +66,12 @@ def passes(loop, argv):
     """(forwards, backwards, forward equivalents) per sequence per step, from the loop's Args."""
     import grpo
     import ppo
+    import vllm_is
 
     a = (grpo if loop == "grpo" else ppo).parse_args(argv)
     gc = int(a.gradient_checkpointing)
     if loop == "grpo":
-        fwd = int(a.num_iterations > 1 or grpo.importance_cap(a) > 0) + int(a.beta > 0)
+        fwd = int(a.num_iterations > 1 or vllm_is.importance_cap(a) > 0) + int(a.beta > 0)
         fwd += a.num_iterations * (1 + gc)  # the update's forward (+ its recompute)
         bwd = a.num_iterations
     else:  # values, old log-probs (where needed), the reference; per epoch actor and critic

@@ -1,4 +1,4 @@
-"""Asynchronous GRPO (--max_staleness K, grpo.py's async_rollout and prefetch.py).
+"""Asynchronous GRPO (--max_staleness K, async_rollouts.py and prefetch.py).
 
 - prefetch.Prefetcher with plain functions: step s starts only after step s - K - 1 is done, so no
   result is more than K versions old; one too old is produced again (dropped); a retryable error
