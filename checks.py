@@ -231,6 +231,7 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
         if path:  # models beside the policy, on its token ids
             check_beside(path, flag, tokenizer, args.pad_token)
     stop_ids = stop_token_ids(tokenizer, model_path)
+    check_stop_ids(tokenizer, stop_ids, model_path)
     lengths = []
     try:
         lengths = check_templates(
@@ -282,6 +283,38 @@ def check_beside(path, flag, tokenizer, pad_token):
         raise RunError(
             f"{flag} {path} has another tokenizer than the policy; token ids are passed as they "
             "are: use a model trained on the policy's tokenizer"
+        )
+
+
+def check_stop_ids(tokenizer, stop_ids, model_path):
+    """Every id that ends a completion (batching.stop_token_ids) is one of the tokenizer's special
+    tokens: an id that decodes to ordinary text (a model saved from one vocabulary's config with
+    another's tokenizer: eos_token_id 2 is "#" in Qwen2.5's) would cut every completion at that
+    text. A RunError naming the token, the file that lists it and the id to put there."""
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+    }
+    for i in stop_ids:
+        if i in special:
+            continue
+        text = tokenizer.decode([i]) if i < len(tokenizer) else None
+        what = f"{text!r}, ordinary text" if text is not None else "not in its vocabulary"
+        where = "the model's eos_token_id"
+        for name in ("generation_config.json", "config.json"):
+            try:
+                with open(os.path.join(model_path, name)) as f:
+                    eos = json.load(f).get("eos_token_id")
+            except (OSError, ValueError):  # a hub id, or no such file
+                continue
+            if i == eos or (isinstance(eos, list) and i in eos):
+                where = f"eos_token_id in {os.path.join(model_path, name)}"
+                break
+        raise RunError(
+            f"--model {model_path}: stop token id {i} is {what} to its tokenizer, not a special "
+            f"token, so every completion would end at it. It comes from {where}: set it to the "
+            f"tokenizer's end-of-sequence token ({tokenizer.eos_token!r}, id "
+            f"{tokenizer.eos_token_id}; a chat model's end of turn is found from its template) "
+            "and save the model again, or give a --model whose configs match its tokenizer"
         )
 
 
