@@ -55,6 +55,7 @@ from checks import (
     check_inputs,
     check_partitioned_loading,
     check_vllm,
+    clear_stale_build_locks,
     training_dtype,
 )
 from fit import MEMORY_KNOBS, OOM_HINTS, KnobAdapter, estimate_run_memory, fit_to_budget
@@ -275,6 +276,8 @@ class Run:
 
     def __init__(self, args, models):
         self.args = args
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # before DeepSpeed builds its ops: no hang
+            clear_stale_build_locks()
         self.rank, self.world, self.device = init_distributed()  # NCCL on GPUs, gloo on CPU
         self.say = print if self.rank == 0 else (lambda *a, **k: None)
         inputs = preflight(args, self.rank, self.world, models, self.say)
