@@ -223,7 +223,7 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     train_rows, eval_rows = rows[args.num_eval_prompts :], rows[: args.num_eval_prompts]
     # what is wrong with the rows, reported together once the tokenizer has read them too
     problems = [size_problem(args.data, rows, args.num_eval_prompts)]
-    problems.append(answer_problem(funcs, rows, args.data))
+    problems.append(answer_problem(funcs, rows, args.data, args.answer_field))
     # no --model: a tiny one from scratch
     model_path = task_model(args.model, args.run_dir, rank, args.seed)
     config = check_model_path(model_path)
@@ -253,7 +253,7 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
         hint = ""
         if any(r.get("answer") is None for r in probe):
             where = answerless_row(args.data, train_rows + eval_rows)
-            hint = f'; {where} has no "answer" field (the functions get None)'
+            hint = f'; {where} has no "{args.answer_field}" field (the functions get None)'
 
         def score(rows, completions, g):
             if env:  # multi-turn: the rewards get each completion as messages after the prompt
@@ -432,15 +432,15 @@ def answerless_row(data, rows):
     return f"--data {data} {row_name(data, row.get('index', 0))} (prompt {prompt[:40]!r})"
 
 
-def answer_problem(funcs, rows, data):
-    """None, or why rows whose "answer" is missing or null could never score: a reward function
-    reads answers (its attribute needs_answer is True, as for tasks.correct_reward and
-    exact_match_reward)."""
+def answer_problem(funcs, rows, data, field="answer"):
+    """None, or why rows whose answer (the source's `field`, --answer_field) is missing or null
+    could never score: a reward function reads answers (its attribute needs_answer is True, as for
+    tasks.correct_reward and exact_match_reward)."""
     needy = [f"{f.__module__}.{f.__name__}" for f in funcs if getattr(f, "needs_answer", False)]
     missing = sum(r.get("answer") is None for r in rows)
     if needy and missing:
         return (
-            f'{answerless_row(data, rows)} has no "answer" ({missing} of {len(rows)} rows '
+            f'{answerless_row(data, rows)} has no "{field}" ({missing} of {len(rows)} rows '
             f"lack one), and the reward {', '.join(needy)} compares completions with "
             f"it: add an answer to every row, or pass --reward_funcs that do not read "
             f"answers"

@@ -286,7 +286,10 @@ def vllm_importance_weights(batch, args):
 class Args(harness.RunArgs):
     recipe: str = arg("", recipes.recipe_help(recipes.GRPO))
     num_generations: int = arg(
-        8, "G: completions per prompt", ">= 2", why="advantages compare completions within a group"
+        8,
+        "G, the group size: completions per prompt",
+        ">= 2",
+        why="advantages compare completions within a group",
     )
     vllm_importance_cap: float = arg(
         -1.0,
@@ -348,7 +351,12 @@ class Args(harness.RunArgs):
         "completions cut at max_completion_length (no stop token) get no loss (DAPO's overlong "
         "filtering)",
     )
-    beta: float = arg(0.0, "KL weight; 0 builds no reference model", ">= 0")
+    beta: float = arg(
+        0.0,
+        "KL coefficient: k3 KL to a frozen reference in the loss; 0 builds no reference model",
+        ">= 0",
+        aliases="--kl_coef",
+    )
     epsilon_low: float = arg(0.2, "ratio clipped below at 1 - epsilon_low", "[0, 1)")
     epsilon_high: float = arg(0.2, "ratio clipped above at 1 + epsilon_high", ">= 0")
     scale_rewards: bool | None = arg(
