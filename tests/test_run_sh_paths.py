@@ -39,3 +39,8 @@ def test_relative_paths_are_the_users_and_model_takes_the_recipe(tmp_path):
     # --model as MODEL: the pretrained recipe under the flags given
     assert saved["recipe"] == "pretrained" and saved["learning_rate"] == 1e-6
     assert saved["max_completion_length"] == 2
+    # the run's curves, compared (here with itself) from where the user stands
+    assert json.loads((run / "panels.json").read_text())[0][0] == "reward"
+    cmd = ["python", os.path.join(ROOT, "runlog.py"), "out", "out", "-o", "both.png"]
+    done = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and (user / "both.png").stat().st_size > 0, done.stderr
