@@ -5,6 +5,7 @@ under) the directory run.sh was run from, not the repository; `--model X` takes 
 import json
 import os
 import subprocess
+import sys
 
 from conftest import ROOT, free_port, train_rows
 from tasks import default_task, task_model
@@ -41,6 +42,6 @@ def test_relative_paths_are_the_users_and_model_takes_the_recipe(tmp_path):
     assert saved["max_completion_length"] == 2
     # the run's curves, compared (here with itself) from where the user stands
     assert json.loads((run / "panels.json").read_text())[0][0] == "reward"
-    cmd = ["python", os.path.join(ROOT, "runlog.py"), "out", "out", "-o", "both.png"]
+    cmd = [sys.executable, os.path.join(ROOT, "runlog.py"), "out", "out", "-o", "both.png"]
     done = subprocess.run(cmd, cwd=user, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and (user / "both.png").stat().st_size > 0, done.stderr
