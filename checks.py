@@ -34,6 +34,7 @@ memory.py (is_out_of_memory) and zero3_utils.py (process_rank).
 
 import collections
 import contextlib
+import glob
 import importlib
 import importlib.util
 import json
@@ -222,7 +223,7 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     train_rows, eval_rows = rows[args.num_eval_prompts :], rows[: args.num_eval_prompts]
     # what is wrong with the rows, reported together once the tokenizer has read them too
     problems = [size_problem(args.data, rows, args.num_eval_prompts)]
-    problems.append(answer_problem(funcs, rows, args.data))
+    problems.append(answer_problem(funcs, rows, args.data, args.answer_field))
     # no --model: a tiny one from scratch
     model_path = task_model(args.model, args.run_dir, rank, args.seed)
     config = check_model_path(model_path)
@@ -231,6 +232,7 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
         if path:  # models beside the policy, on its token ids
             check_beside(path, flag, tokenizer, args.pad_token)
     stop_ids = stop_token_ids(tokenizer, model_path)
+    check_stop_ids(tokenizer, stop_ids, model_path)
     lengths = []
     try:
         lengths = check_templates(
@@ -251,7 +253,7 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
         hint = ""
         if any(r.get("answer") is None for r in probe):
             where = answerless_row(args.data, train_rows + eval_rows)
-            hint = f'; {where} has no "answer" field (the functions get None)'
+            hint = f'; {where} has no "{args.answer_field}" field (the functions get None)'
 
         def score(rows, completions, g):
             if env:  # multi-turn: the rewards get each completion as messages after the prompt
@@ -283,6 +285,114 @@ def check_beside(path, flag, tokenizer, pad_token):
             f"{flag} {path} has another tokenizer than the policy; token ids are passed as they "
             "are: use a model trained on the policy's tokenizer"
         )
+
+
+def check_stop_ids(tokenizer, stop_ids, model_path):
+    """Every id that ends a completion (batching.stop_token_ids) is one of the tokenizer's special
+    tokens: an id that decodes to ordinary text (a model saved from one vocabulary's config with
+    another's tokenizer: eos_token_id 2 is "#" in Qwen2.5's) would cut every completion at that
+    text. A RunError naming the token, the file that lists it and the id to put there."""
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+    }
+    for i in stop_ids:
+        if i in special:
+            continue
+        text = tokenizer.decode([i]) if i < len(tokenizer) else None
+        what = f"{text!r}, ordinary text" if text is not None else "not in its vocabulary"
+        where = "the model's eos_token_id"
+        for name in ("generation_config.json", "config.json"):
+            try:
+                with open(os.path.join(model_path, name)) as f:
+                    eos = json.load(f).get("eos_token_id")
+            except (OSError, ValueError):  # a hub id, or no such file
+                continue
+            if i == eos or (isinstance(eos, list) and i in eos):
+                where = f"eos_token_id in {os.path.join(model_path, name)}"
+                break
+        raise RunError(
+            f"--model {model_path}: stop token id {i} is {what} to its tokenizer, not a special "
+            f"token, so every completion would end at it. It comes from {where}: set it to the "
+            f"tokenizer's end-of-sequence token ({tokenizer.eos_token!r}, id "
+            f"{tokenizer.eos_token_id}; a chat model's end of turn is found from its template) "
+            "and save the model again, or give a --model whose configs match its tokenizer"
+        )
+
+
+def build_locks():
+    """The `lock` files in torch's extension build directories (TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions/<python>_<accelerator>/), where DeepSpeed JIT-builds its ops
+    (deepspeed_shm_comm on CPU, at init_distributed)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return sorted(glob.glob(os.path.join(root, "*", "lock")))
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return sorted(glob.glob(os.path.join(get_default_build_root(), "*", "*", "lock")))
+
+
+def lock_holders(path):
+    """The pids on this machine with `path` open (a build in progress holds its lock open:
+    torch's FileBaton), and whether every process could be looked at (another user's cannot)."""
+    target, pids, seen_all = os.path.realpath(path), [], True
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except PermissionError:
+            seen_all = False
+            continue
+        except FileNotFoundError:  # ended meanwhile
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    pids.append(int(pid))
+            except OSError:  # closed meanwhile, or not ours to read
+                continue
+    return pids, seen_all
+
+
+def clear_stale_build_locks(wait_s=60, say=print):
+    """A build stopped midway (a run killed while DeepSpeed JIT-built an op) leaves its `lock`, and
+    every later build waits on it forever (torch's FileBaton: no timeout, no message). Call before
+    DeepSpeed's init_distributed, on each node's local rank 0. A lock that a process here holds
+    open is a build in progress: left alone. One nobody here holds, on one node where every process
+    could be looked at, is stale: removed, with one line. Otherwise (several nodes, whose home may
+    be shared, or processes of other users) it gets wait_s seconds to go, then a RunError naming
+    the file."""
+    if not os.path.isdir("/proc"):  # not Linux: nothing to look at
+        return
+    nodes = int(os.environ.get("WORLD_SIZE", 1)) > int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    for path in build_locks():
+        try:
+            inode = os.stat(path).st_ino
+        except FileNotFoundError:  # its build just finished
+            continue
+        holders, seen_all = lock_holders(path)
+        if holders:
+            continue
+        if seen_all and not nodes:
+            try:
+                if os.stat(path).st_ino == inode:  # not a new build's lock taken meanwhile
+                    os.remove(path)
+                    say(
+                        f"removed a stale build lock {path} (no process is building: a build was "
+                        "stopped midway)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            except FileNotFoundError:
+                pass
+            continue
+        deadline = time.monotonic() + wait_s
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(1)
+        if os.path.exists(path) and not lock_holders(path)[0]:
+            raise RunError(
+                f"{path}: a build lock that no process on this machine holds, still there after "
+                f"{wait_s} s (a build stopped midway leaves it, and DeepSpeed would wait on it "
+                "forever): delete it if no run on another node is building that op, and run again"
+            )
 
 
 def check_templates(tokenizer, rows, args, model_path, kwargs):
@@ -322,15 +432,15 @@ def answerless_row(data, rows):
     return f"--data {data} {row_name(data, row.get('index', 0))} (prompt {prompt[:40]!r})"
 
 
-def answer_problem(funcs, rows, data):
-    """None, or why rows whose "answer" is missing or null could never score: a reward function
-    reads answers (its attribute needs_answer is True, as for tasks.correct_reward and
-    exact_match_reward)."""
+def answer_problem(funcs, rows, data, field="answer"):
+    """None, or why rows whose answer (the source's `field`, --answer_field) is missing or null
+    could never score: a reward function reads answers (its attribute needs_answer is True, as for
+    tasks.correct_reward and exact_match_reward)."""
     needy = [f"{f.__module__}.{f.__name__}" for f in funcs if getattr(f, "needs_answer", False)]
     missing = sum(r.get("answer") is None for r in rows)
     if needy and missing:
         return (
-            f'{answerless_row(data, rows)} has no "answer" ({missing} of {len(rows)} rows '
+            f'{answerless_row(data, rows)} has no "{field}" ({missing} of {len(rows)} rows '
             f"lack one), and the reward {', '.join(needy)} compares completions with "
             f"it: add an answer to every row, or pass --reward_funcs that do not read "
             f"answers"

@@ -244,8 +244,8 @@ def estimate_run_memory(args, models, say=print):
     if args.model and not args.recipe:
         say(
             "note: --model without --recipe takes the loop's own defaults, made for the built-in "
-            "tiny task; MODEL=<model> bash run.sh adds --recipe pretrained (--help lists its "
-            "values): add --recipe pretrained here for that run's answer"
+            "tiny task; bash run.sh with --model or MODEL adds --recipe pretrained (--help lists "
+            "its values): add --recipe pretrained here for that run's answer"
         )
     if args.gpu_gb:
         return fit_for_gpu(args, world, models, args.gpu_gb, say)

@@ -199,7 +199,10 @@ class Args(harness.RunArgs, DapoArgs, VllmIsArgs, DistillArgs, AsyncArgs, envs.E
     # the variants' flags come with their files (dapo, vllm_is, distill, async_rollouts, envs)
     recipe: str = arg("", recipes.recipe_help(recipes.GRPO))
     num_generations: int = arg(
-        8, "G: completions per prompt", ">= 2", why="advantages compare completions within a group"
+        8,
+        "G, the group size: completions per prompt",
+        ">= 2",
+        why="advantages compare completions within a group",
     )
     loss_type: str = arg(
         "bnpo",
@@ -219,7 +222,12 @@ class Args(harness.RunArgs, DapoArgs, VllmIsArgs, DistillArgs, AsyncArgs, envs.E
         "clipped as a whole (GSPO, Zheng et al. 2025)",
         IMPORTANCE_SAMPLING_LEVELS,
     )
-    beta: float = arg(0.0, "KL weight; 0 builds no reference model", ">= 0")
+    beta: float = arg(
+        0.0,
+        "KL coefficient: k3 KL to a frozen reference in the loss; 0 builds no reference model",
+        ">= 0",
+        aliases="--kl_coef",
+    )
     epsilon_low: float = arg(0.2, "ratio clipped below at 1 - epsilon_low", "[0, 1)")
     epsilon_high: float = arg(0.2, "ratio clipped above at 1 + epsilon_high", ">= 0")
     scale_rewards: bool | None = arg(

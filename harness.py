@@ -55,6 +55,7 @@ from checks import (
     check_inputs,
     check_partitioned_loading,
     check_vllm,
+    clear_stale_build_locks,
     training_dtype,
 )
 from fit import MEMORY_KNOBS, OOM_HINTS, KnobAdapter, estimate_run_memory, fit_to_budget
@@ -88,12 +89,18 @@ class RunArgs:
         "", "module:function,... (prompts, completions, answers) -> list[float]"
     )
     reward_weights: str = arg("", "one weight per reward; empty: 0.25,0.75 (task) or 1s")
-    run_dir: str = arg("runs/grpo", "metrics.jsonl, args, checkpoints, final model")
+    # empty, named when the run starts (default_run_dir); "%(default)s" (the empty string) in the
+    # help keeps argparse from adding "(default: )"
+    run_dir: str = arg(
+        "",
+        "metrics.jsonl, args, checkpoints, final model (default: runs/<algo>-<start time>, e.g. "
+        "runs/grpo-20250101-120000%(default)s)",
+    )
     ds_config: str = arg("configs/zero3.json", 'DeepSpeed JSON, "auto" from these args')
     seed: int = arg(0, "data order, sampling and (default task) model init", ">= 0")
     # rollout
     prompts_per_rank: int = arg(16, "prompts per rank per step, G completions each", ">= 1")
-    num_generations: int = arg(8, "G: completions per prompt", ">= 1")
+    num_generations: int = arg(8, "G, the group size: completions per prompt", ">= 1")
     max_prompt_length: int = arg(512, "prompt tokens kept (from the left end)", ">= 1")
     max_completion_length: int = arg(2, "C: new tokens per completion", ">= 1")
     temperature: float = arg(1.0, "sampling temperature (log-probs use it too)", "> 0")
@@ -261,10 +268,19 @@ def before_torchrun(args, models):
     no weights; run.sh runs these before any rank begins."""
     if args.estimate_memory:
         return estimate_run_memory(args, models)
+    args.run_dir = args.run_dir or default_run_dir(args)
     inputs = preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)), models=models)
     if args.use_vllm and args.vllm_mode == "server":  # what run.sh starts the server with
         write_server_settings(args, inputs.config, inputs.dtype)
     print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
+
+
+def default_run_dir(args):
+    """runs/<algo>-<time> for an empty --run_dir (run.sh names it the same way): the entry
+    script's name (grpo, ppo) and the time now."""
+    script = getattr(sys.modules[type(args).__module__], "__file__", None) or "run"
+    algo = os.path.splitext(os.path.basename(script))[0]
+    return os.path.join("runs", f"{algo}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 # ---- The run on this rank --------------------------------------------------------------------
@@ -275,7 +291,13 @@ class Run:
 
     def __init__(self, args, models):
         self.args = args
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # before DeepSpeed builds its ops: no hang
+            clear_stale_build_locks()
         self.rank, self.world, self.device = init_distributed()  # NCCL on GPUs, gloo on CPU
+        if not args.run_dir:  # rank 0's start time names it on every rank
+            named = [default_run_dir(args)]
+            dist.broadcast_object_list(named, src=0)
+            args.run_dir = named[0]
         self.say = print if self.rank == 0 else (lambda *a, **k: None)
         inputs = preflight(args, self.rank, self.world, models, self.say)
         self.__dict__.update(vars(inputs))

@@ -184,16 +184,18 @@ def needs_old_logps(args):
 @dataclass
 class Args(harness.RunArgs):
     recipe: str = arg("", recipes.recipe_help(recipes.PPO))
-    run_dir: str = arg("runs/ppo", "metrics.jsonl, args, checkpoints, final model")
     reward_model: str = arg(
         "",
         "sequence-classification reward model (1 label, the actor's tokenizer); empty: "
         "rule-based reward_funcs",
     )
     prompts_per_rank: int = arg(32, "prompts per rank per step", ">= 1")
-    num_generations: int = arg(4, "completions per prompt", ">= 1")
+    num_generations: int = arg(4, "G, the group size: completions per prompt", ">= 1")
     kl_coef: float = arg(
-        0.01, "per-token KL penalty in the reward; 0 builds no reference model", ">= 0"
+        0.01,
+        "KL coefficient: per-token KL penalty in the reward; 0 builds no reference model",
+        ">= 0",
+        aliases="--beta",
     )
     gamma: float = arg(1.0, "discount", "[0, 1]")
     lam: float = arg(0.95, "GAE lambda", "[0, 1]")

@@ -16,10 +16,13 @@
 #                port, so several runs share a machine; a MASTER_PORT already taken: exit 2
 #   DS_CONFIG    DeepSpeed JSON (default configs/zero3.json; also zero2.json, zero3_offload.json);
 #                "auto" values in it are filled from the script's arguments
-#   MODEL, DATA  hub id or path of the policy; --data: a JSONL/JSON/CSV/parquet file of {"prompt":
-#                ..., "answer": ...}, a datasets directory or a hub id (data.py)
+#   MODEL, DATA  hub id or path of the policy (as --model: both add --recipe pretrained unless
+#                --recipe is given); --data: a JSONL/JSON/CSV/parquet file of {"prompt": ...,
+#                "answer": ...}, a datasets directory or a hub id (data.py). A relative path is
+#                read from the directory you ran run.sh from, as --data, --model and the others
 #   RUN_DIR      where metrics, checkpoints and the final model go (default runs/<algo>-<time>);
-#                resume with RUN_DIR=<that dir> bash run.sh grpo --resume True
+#                resume with RUN_DIR=<that dir> bash run.sh grpo --resume True; a relative one (or
+#                --run_dir) is under the directory you ran run.sh from
 #   VLLM_DEVICES vLLM on devices of its own (--vllm_mode server): e.g. 6,7 starts one vLLM server on
 #                GPUs 6 and 7 (tensor parallel over both) and torchrun on the other GPUs (NPROC
 #                defaults to their number, CUDA_VISIBLE_DEVICES to their list); on a CPU-only machine
@@ -32,10 +35,10 @@
 #   PREFLIGHT    0 skips the one-process check of every input before any rank begins (default 1)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the ranks get, after SIGTERM or Ctrl-C, to finish their
 #                step and save a checkpoint before torchrun kills them (default here 300; torch's: 30)
-#   MALLOC_MMAP_THRESHOLD_  CPU, with MODEL or --recipe: 65536 unless set (glibc returns freed
-#                blocks from 64 KiB up to the system, so a rank's resident set holds what it uses:
-#                the SmolLM2 recipes' figures in README and docs are measured with it); set it to
-#                override
+#   MALLOC_MMAP_THRESHOLD_  CPU, with a recipe (MODEL, --model, --recipe): 65536 unless set (glibc
+#                returns freed blocks from 64 KiB up to the system, so a rank's resident set holds
+#                what it uses: the SmolLM2 recipes' figures in README and docs are measured with
+#                it); set it to override
 #   LEAN_RL_ENV  which Python runs the job: install.sh (auto: .venv, or an active environment that
 #                has the stack; active: the active Python as it is; venv: .venv)
 #
@@ -50,6 +53,32 @@
 # knob. 6: the vLLM server (VLLM_DEVICES) did not answer or died; the message names its address and
 # log file.
 set -euo pipefail
+# Paths are the user's: a relative DATA, MODEL, DS_CONFIG, --data, --model, --reward_model,
+# --teacher_model or --ds_config that names something in the directory run.sh was run from is made
+# absolute (one that does not, a hub id or a path from the repository, stays as given); a relative
+# RUN_DIR or --run_dir is always under that directory. Then run.sh works from the repository.
+here=$PWD
+input_path() { if [[ -n $1 && $1 != /* && -e $here/$1 ]]; then echo "$here/$1"; else echo "$1"; fi; }
+output_path() { if [[ -n $1 && $1 != /* ]]; then echo "$here/$1"; else echo "$1"; fi; }
+user_args=()
+prev=""
+for a in "$@"; do
+  case $prev in
+    --data|--model|--reward_model|--teacher_model|--ds_config) a=$(input_path "$a") ;;
+    --run_dir) a=$(output_path "$a") ;;
+  esac
+  case $a in
+    --data=*|--model=*|--reward_model=*|--teacher_model=*|--ds_config=*)
+      a=${a%%=*}=$(input_path "${a#*=}") ;;
+    --run_dir=*) a=--run_dir=$(output_path "${a#*=}") ;;
+  esac
+  user_args+=("$a"); prev=$a
+done
+set -- ${user_args[@]+"${user_args[@]}"}
+[[ -z ${DATA:-} ]] || DATA=$(input_path "$DATA")
+[[ -z ${MODEL:-} ]] || MODEL=$(input_path "$MODEL")
+[[ -z ${DS_CONFIG:-} ]] || DS_CONFIG=$(input_path "$DS_CONFIG")
+[[ -z ${RUN_DIR:-} ]] || RUN_DIR=$(output_path "$RUN_DIR")
 cd "$(dirname "$0")"
 
 # The environment: .venv (created and installed the first time, later a check), or one of your own
@@ -90,18 +119,30 @@ export TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 
 run_dir=${RUN_DIR:-runs/$ALGO-$(date +%Y%m%d-%H%M%S)}
 args=(--ds_config "${DS_CONFIG:-configs/zero3.json}" --run_dir "$run_dir")
-prev=""; for a in "$@"; do [[ $prev == --run_dir ]] && run_dir=$a; prev=$a; done   # the last one wins
+model=${MODEL:-} recipe=""   # the last --model, --run_dir and --recipe given win
+prev=""
+for a in "$@"; do
+  case $prev in --run_dir) run_dir=$a ;; --model) model=$a ;; --recipe) recipe=$a ;; esac
+  case $a in
+    --run_dir=*) run_dir=${a#*=} ;; --model=*) model=${a#*=} ;; --recipe=*) recipe=${a#*=} ;;
+  esac
+  prev=$a
+done
 [[ -n "${DATA:-}" ]] && args+=(--data "$DATA")
-if [[ -n "${MODEL:-}" ]]; then
-  # A pretrained model: the loop's `pretrained` recipe (python $ALGO.py --help lists its values),
-  # so MODEL=X bash run.sh ppo is the run of `python ppo.py --model X --recipe pretrained`.
-  args+=(--model "$MODEL" --recipe pretrained)
+[[ -n "${MODEL:-}" ]] && args+=(--model "$MODEL")
+# A pretrained model (MODEL or --model, the same run): the loop's `pretrained` recipe unless
+# --recipe names one (python $ALGO.py --help lists their values; --recipe '' keeps the loop's own
+# defaults), so `bash run.sh ppo --model X` is the run of `python ppo.py --model X --recipe
+# pretrained`.
+given_recipe=""; for a in "$@"; do [[ $a == --recipe || $a == --recipe=* ]] && given_recipe=1; done
+if [[ -n $model && -z $given_recipe ]]; then
+  args+=(--recipe pretrained) recipe=pretrained
 fi
-# CPU, a recipe's real model (MODEL, --recipe): glibc hands freed blocks of 64 KiB and more back to
-# the system at once; by default it keeps them in the resident set, which the memory ledger measures
-# (and the kernel counts against the machine). The SmolLM2 recipes' figures in README and docs are
-# measured with it. Not for the tiny built-in task, whose steps it slows (1.1-1.2 s, not 0.7-0.8).
-recipe=${MODEL:-}; for a in "$@"; do [[ $a == --recipe || $a == --recipe=* ]] && recipe=1; done
+# CPU, a recipe's real model (MODEL, --model, --recipe): glibc hands freed blocks of 64 KiB and
+# more back to the system at once; by default it keeps them in the resident set, which the memory
+# ledger measures (and the kernel counts against the machine). The SmolLM2 recipes' figures in
+# README and docs are measured with it. Not for the tiny built-in task, whose steps it slows (1.1-1.2
+# s, not 0.7-0.8).
 if [[ $GPUS == 0 && -n $recipe ]]; then
   export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-65536}
 fi
@@ -174,7 +215,6 @@ stop_server() {
 }
 if [[ -n ${VLLM_DEVICES:-} ]]; then
   [[ ${NNODES:-1} == 1 ]] || { echo "run.sh: VLLM_DEVICES runs its server beside a one-node run" >&2; exit 2; }
-  model=${MODEL:-}; prev=""; for a in "$@"; do [[ $prev == --model ]] && model=$a; prev=$a; done
   model=${model:-$run_dir/model}   # the built-in task's model, built by the pre-flight
   server_log=$run_dir/vllm_server.log tp=1
   [[ $GPUS -gt 0 ]] && tp=${#server_devs[@]}

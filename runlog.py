@@ -10,6 +10,11 @@ and curves.png. (Peak memory per phase: memory.py's MemoryLedger.)
 
 curves.png: one panel per (y label, series), each series (metrics key, legend label, line style)
 against the step, titled with the run's name (run_dir's last part); wandb's run has that name too.
+The panels are kept beside it in panels.json, so that runs can be compared on one figure:
+
+    python runlog.py runs/a runs/b runs/c -o compare.png   # the same panels, a colour per run
+
+each run labelled by its name and the flags in which the runs' args.json differ.
 
 Only rank 0 writes; on other ranks every call does nothing. Imports no sibling file.
 """
@@ -166,9 +171,117 @@ def curves_figure(run_dir, panels):
 
 
 def plot_curves(run_dir, panels):
-    """curves_figure saved as run_dir/curves.png."""
+    """curves_figure saved as run_dir/curves.png, and the panels as run_dir/panels.json."""
     import matplotlib.pyplot as plt
 
     fig = curves_figure(run_dir, panels)
     fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
     plt.close(fig)
+    with open(os.path.join(run_dir, "panels.json"), "w") as f:
+        json.dump(panels, f)
+
+
+# ---- Several runs on one figure: python runlog.py runs/a runs/b ... ---------------------------
+# a run from before panels.json was kept: the reward panel every run has
+REWARD_PANEL = ["reward", [["reward", "train", "-"], ["eval/reward", "held-out", "o-"]]]
+NOT_A_FLAG = ("run_dir",)  # differs between every two runs: the name says it
+
+
+def read_json(path, default):
+    if not os.path.exists(path):
+        return default
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_flags(run_dirs):
+    """{run_dir: "--flag value ..."}: the flags (args.json's values that are not a section, such as
+    the resolved DeepSpeed config, which the flags decide) in which the runs differ, in args.json's
+    order; one missing from a run's args.json shows as None, an empty string as ''."""
+    configs = [read_json(os.path.join(d, "args.json"), {}) for d in run_dirs]
+    keys = [k for c in configs for k, v in c.items() if not isinstance(v, (dict, list))]
+    keys = [k for k in dict.fromkeys(keys) if k not in NOT_A_FLAG]
+    differ = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
+
+    def shown(v):
+        return "''" if v == "" else v
+
+    return {
+        d: " ".join(f"--{k} {shown(c.get(k))}" for k in differ) for d, c in zip(run_dirs, configs)
+    }
+
+
+def merged_panels(run_dirs):
+    """The runs' panels (panels.json) in first-seen order, a panel's series the union over the
+    runs, so every run's curves.png panels are there; REWARD_PANEL when no run kept any."""
+    panels = {}
+    for d in run_dirs:
+        for ylabel, series in read_json(os.path.join(d, "panels.json"), []):
+            have = panels.setdefault(ylabel, [])
+            have += [s for s in series if s[0] not in {h[0] for h in have}]
+    return [[y, s] for y, s in panels.items()] or [REWARD_PANEL]
+
+
+def compare_figure(run_dirs, panels=None):
+    """One figure of several runs: curves.png's panels (merged_panels unless given), a colour per
+    run and a line style per series (as curves.png's); under the panels one legend line per run,
+    its name and the flags in which the runs differ (run_flags); in each panel a legend of its
+    series' styles."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    panels = panels or merged_panels(run_dirs)
+    flags = run_flags(run_dirs)
+    legend_in = 0.25 * (len(run_dirs) + 1)  # inches under the panels, a line per run
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(5 * len(panels), 3.5 + legend_in), squeeze=False
+    )
+    fig.suptitle(f"{len(run_dirs)} runs")
+    for i, d in enumerate(run_dirs):
+        with open(os.path.join(d, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        for ax, (_, series) in zip(axes[0], panels):
+            for key, _, style in series:
+                have = [r for r in rows if key in r]
+                ax.plot([r["step"] for r in have], [r[key] for r in have], style, color=f"C{i}")
+    for ax, (ylabel, series) in zip(axes[0], panels):
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5
+        for _, name, style in series:  # the series' styles, in gray, for the panel's legend
+            ax.plot([], [], style, color="gray", label=name)
+        ax.legend(fontsize="small")
+    runs = [Line2D([], [], color=f"C{i}") for i in range(len(run_dirs))]
+    names = [" ".join(filter(None, [run_name(d), flags[d]])) for d in run_dirs]
+    fig.legend(runs, names, loc="lower left", fontsize="small", frameon=False)
+    fig.tight_layout(rect=(0, legend_in / (3.5 + legend_in), 1, 1))
+    return fig
+
+
+def main(argv=None):
+    import argparse
+
+    import matplotlib.pyplot as plt
+
+    parser = argparse.ArgumentParser(
+        description="Several runs' curves on one figure: curves.png's panels, a colour per run, "
+        "each labelled by its name and the flags in which the runs' args.json differ."
+    )
+    parser.add_argument("run_dirs", nargs="+", help="run directories (runs/<algo>-<time>)")
+    parser.add_argument("-o", "--out", default="compare.png", help="the PNG written")
+    args = parser.parse_args(argv)
+    for d in args.run_dirs:
+        if not os.path.exists(os.path.join(d, "metrics.jsonl")):
+            parser.error(f"{d} has no metrics.jsonl: give the directories runs are written to")
+    fig = compare_figure(args.run_dirs)
+    fig.savefig(args.out, dpi=100)
+    plt.close(fig)
+    print(f"{args.out}: {len(args.run_dirs)} runs")
+
+
+if __name__ == "__main__":
+    main()

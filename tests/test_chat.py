@@ -182,7 +182,7 @@ def test_run_sh_on_conversations(chat_model, tmp_path, loop):
     # PREFLIGHT=0: each rank runs the same checks (check_inputs) before it loads a model
     env = {"PYTHONPATH": str(tmp_path), "CHAT_LOG": str(log), "PREFLIGHT": "0"}
     args = [
-        "--model", path, "--data", data, "--run_dir", run_dir, "--max_steps", "1",
+        "--model", path, "--recipe", "", "--data", data, "--run_dir", run_dir, "--max_steps", "1",
         "--num_eval_prompts", "2", "--prompts_per_rank", "1", "--num_generations", "2",
         "--max_completion_length", "8", "--temperature", "0.01",
         "--reward_funcs", "chatrewards:record", "--chat_template_kwargs", '{"tools": null}',

@@ -214,7 +214,8 @@ def test_run_sh_with_an_environment(tokenizer, tmp_path, generator):
     data.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(8)))
     run_dir = tmp_path / "run"
     args = [
-        "--model", path, "--data", data, "--max_steps", "2", "--num_eval_prompts", "0",
+        "--model", path, "--recipe", "", "--data", data, "--max_steps", "2",
+        "--num_eval_prompts", "0",
         "--prompts_per_rank", "1", "--num_generations", "2", "--max_completion_length", "24",
         "--env", "echoenv:echo", "--max_turns", "3", "--reward_funcs", "echoenv:turns",
         "--save_model", "False",

@@ -113,6 +113,8 @@ def test_run_sh_grpo_two_steps(family, family_dirs, tmp_path):
         "grpo",
         "--model",
         family_dirs[family],
+        "--recipe",
+        "",  # the loop's own defaults (run.sh adds --recipe pretrained with --model)
         "--max_steps",
         "2",
         "--prompts_per_rank",

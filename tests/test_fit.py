@@ -185,7 +185,7 @@ def test_estimate_states_its_assumptions_and_the_recipe_in_one_line(monkeypatch,
         a = loop.parse_args(argv)
         assert ", no recipe: the loop's defaults, " in said[0]
         assert f"micro-batch {a.per_device_train_batch_size}," in said[0]
-        assert "MODEL=<model> bash run.sh adds --recipe pretrained" in said[1]
+        assert "bash run.sh with --model or MODEL adds --recipe pretrained" in said[1]
 
 
 def test_estimate_prints_the_flags_to_paste_only_those_that_change(capsys):

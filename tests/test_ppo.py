@@ -373,8 +373,9 @@ def test_estimate_memory_leaves_out_a_vllm_server(algo, monkeypatch):
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_run_sh_with_model_takes_the_loops_pretrained_recipe(algo):
-    """MODEL=X bash run.sh ALGO is `ALGO.py --model X --recipe pretrained`: the same estimate (a
-    preset's shape, one process, no torchrun), and not the tiny task's defaults' estimate."""
+    """MODEL=X bash run.sh ALGO and `bash run.sh ALGO --model X` are `ALGO.py --model X --recipe
+    pretrained`: the same estimate (a preset's shape, one process, no torchrun), and not the tiny
+    task's defaults' estimate, which --recipe '' keeps."""
     import subprocess
 
     from conftest import ROOT
@@ -396,4 +397,7 @@ def test_run_sh_with_model_takes_the_loops_pretrained_recipe(algo):
         {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
     )
     assert via_run_sh == estimate(direct + ["--recipe", "pretrained"], **world)
-    assert via_run_sh != estimate(direct, **world)
+    assert via_run_sh == estimate(["bash", "run.sh", algo] + flags)
+    own_defaults = estimate(direct, **world)
+    assert via_run_sh != own_defaults
+    assert estimate(["bash", "run.sh", algo, "--recipe", ""] + flags) == own_defaults

@@ -52,7 +52,7 @@ def test_worked_example_runs_ppo(tmp_path, tiny_model):
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=os.environ)
     conftest.run_sh(
         "ppo",
-        *("--model", tiny_model, "--reward_model", rm, "--max_steps", "1"),
+        *("--model", tiny_model, "--reward_model", rm, "--max_steps", "1", "--recipe", ""),
         *("--prompts_per_rank", "4", "--num_generations", "2", "--num_eval_prompts", "0"),
         *("--per_device_train_batch_size", "4", "--save_model", "False"),
         env={"RUN_DIR": str(run_dir)},

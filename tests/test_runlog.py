@@ -3,6 +3,8 @@ label on every axis, whole-number step ticks, one legend entry per series."""
 
 import json
 
+import pytest
+
 from runlog import RunLog, curves_figure
 
 # as grpo.py passes them with --beta 0: the reward, then the policy's entropy
@@ -36,3 +38,53 @@ def test_curves_title_labels_and_whole_step_ticks(tmp_path):
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
         assert [t.get_text() for t in ax.get_legend().get_texts()] == [s[1] for s in series]
     assert [len(line.get_xdata()) for line in fig.axes[0].lines] == [3, 2]  # train, held-out
+
+
+def test_compare_runs_on_one_figure(tmp_path, capsys):
+    """python runlog.py a b c: curves.png's panels (merged over the runs: one run's KL panel, one
+    run without panels.json), a colour per run, each labelled by its name and the flags in which
+    the runs differ; one PNG."""
+    from runlog import compare_figure, main
+
+    kl = ("KL to reference", [("kl", "train", "-")])
+    runs = []
+    for name, beta, lr, panels in [
+        ("grpo-a", 0.0, 1e-3, PANELS),
+        ("grpo-b", 0.04, 1e-3, [PANELS[0], kl]),
+        ("grpo-c", 0.0, 1e-4, PANELS),
+    ]:
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        log = RunLog(str(run_dir), __file__, {"beta": beta, "learning_rate": lr, "seed": 0}, 0)
+        for step in (1, 2, 3):
+            log.record({"step": step, "reward": lr * step, "entropy": 2.0, "kl": beta * step})
+        log.close(panels=panels)
+        runs.append(str(run_dir))
+    (tmp_path / "grpo-c" / "panels.json").unlink()  # a run from before panels.json
+
+    out = tmp_path / "compare.png"
+    main([*runs, "-o", str(out)])
+    assert out.stat().st_size > 0 and capsys.readouterr().out == f"{out}: 3 runs\n"
+    fig = compare_figure(runs)
+    assert fig.get_suptitle() == "3 runs"
+    assert [ax.get_ylabel() for ax in fig.axes] == [
+        "reward",
+        "entropy (nats/token)",
+        "KL to reference",
+    ]
+    (runs_legend,) = fig.legends
+    assert [t.get_text() for t in runs_legend.get_texts()] == [
+        "grpo-a --beta 0.0 --learning_rate 0.001",
+        "grpo-b --beta 0.04 --learning_rate 0.001",
+        "grpo-c --beta 0.0 --learning_rate 0.0001",
+    ]  # seed is the same in all three: not shown
+    for ax, (_, series) in zip(fig.axes, [*PANELS, kl]):  # each panel's legend: its series
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == [s[1] for s in series]
+    drawn = [line for line in fig.axes[0].lines if len(line.get_xdata())]
+    assert len({line.get_color() for line in drawn}) == 3  # a colour per run
+    kl_lines = [len(line.get_xdata()) for line in fig.axes[2].lines if len(line.get_xdata())]
+    assert kl_lines == [3, 3, 3]  # every run recorded kl
+
+    with pytest.raises(SystemExit) as e:  # not a run directory: argparse's message, exit 2
+        main([runs[0], str(tmp_path)])
+    assert e.value.code == 2 and "has no metrics.jsonl" in capsys.readouterr().err
