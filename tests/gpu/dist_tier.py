@@ -3,13 +3,17 @@ stand-in). argv: T steps model_dir [model_dir ...]; prints one "RESULT <json>" l
 
 parity (the first model): tests/dist_parity.py's comparison at T tokens per row on the device:
   a model built partitioned under ZeRO-3 (zero3_load.load_model, a trained engine) against a plain
-  bf16 `from_pretrained` (buffers, parameter dtypes, log-probs: exactly equal), then the trained
-  engine's bf16 log-probs against an fp32 plain load's, max and mean |d| by position bucket
-  (0-128, 128-512, 512-T): what a run reads as sampling/sampling_logp_difference.
+  bf16 `from_pretrained`: their log-probs' max |d| by position bucket (0-128, 128-512, 512-T),
+  then buffers (within dist_parity.BUFFER_ULPS fp32 ulps: under zero.Init RoPE's inv_freq is
+  computed on the device, whose pow differs from the CPU's in the last bit; the largest
+  difference reported) and parameter dtypes; then the trained engine's bf16 log-probs against an
+  fp32 plain load's, max and mean |d| by bucket: what a run reads as sampling_logp_difference.
 bench (every model): the update (model_logps over half the row, backward, optimizer step) at ZeRO
   stage 0, 2 and 3, bf16, `steps` timed steps after one warm-up: tokens per second and
   model-FLOPs utilisation (6 N FLOPs per token, attention left out) against the device's bf16
   peak; HF generation's tokens per second under ZeRO-3, gathered and sharded.
+Each check runs on its own (checked()): a failure is a RESULT "<check> failed" with its message,
+after whatever figures it gave, and the next check still runs; each one's wall time is a RESULT.
 """
 
 import gc
@@ -40,6 +44,26 @@ def result(check, measure, value, unit="", note=""):
     print("RESULT " + json.dumps(row), flush=True)
 
 
+def checked(check, name, fn, *args):
+    """fn(*args) as one check: its wall time a result; an exception a result too, not the end."""
+    t0 = time.perf_counter()
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - any failure is this check's, reported, then the next
+        result(check, f"{name} failed", f"{type(e).__name__}: {e}"[:2000])
+    gc.collect()  # what a failed check held
+    if CUDA:
+        torch.cuda.empty_cache()
+    result(check, f"{name} wall time", time.perf_counter() - t0, "s")
+
+
+def by_position(a, b):
+    """max |a - b| (B, T-1) per position bucket, the left padding left out."""
+    d = (a.float() - b.float()).abs()  # (B, T-1)
+    d[1, : P.PAD - 1] = 0
+    return [d[:, x:y].max().item() for x, y in P.BUCKETS]
+
+
 def trained(model, ds):
     params = [p for p in model.parameters() if p.requires_grad]
     return deepspeed.initialize(model=model, model_parameters=params, config=ds)[0]
@@ -58,8 +82,10 @@ def parity(path, T):
         ref = P.logps(plain, ids, mask)
         engine = trained(load_model(AutoModelForCausalLM, path, BF16, ds, attn), ds)
         trainer = P.logps(engine, ids, mask)  # (B, T-1)
-        by = P.compare("partitioned", str(BF16), plain, engine.module, ref, trainer, 0)
-        result("a", f"ZeRO-3 partitioned vs plain, bf16, max|d| by position {names}", by)
+        by = by_position(ref, trainer)  # before the buffers are checked: reported either way
+        result("a", f"ZeRO-3 partitioned vs plain, bf16, max|d| by position {names}", by, "nats")
+        _, ulps = P.compare("partitioned", str(BF16), plain, engine.module, ref, trainer, 0)
+        result("a", "buffers, ZeRO-3 partitioned vs plain: largest difference", ulps, "fp32 ulps")
         del plain, ref
         kw = dict(dtype=torch.float32, attn_implementation=attn)
         fp32 = AutoModelForCausalLM.from_pretrained(path, **kw)
@@ -151,11 +177,20 @@ def main():
     deepspeed.init_distributed(dist_backend="nccl" if CUDA else "gloo")
     if CUDA:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    parity(paths[0], T)
     peak, peak_from = bf16_peak_flops()
     result("e", "bf16 peak", peak / 1e12, "TFLOP/s", peak_from)
+    checked("a", "parity", parity, paths[0], T)
     for path in paths:
-        bench(path, T, steps, peak, peak_from)
+        checked(
+            "e",
+            f"benchmark {os.path.basename(path.rstrip('/'))}",
+            bench,
+            path,
+            T,
+            steps,
+            peak,
+            peak_from,
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ directory runs/gpu-tier-<time>).
 """
 
 import datetime
+import importlib.metadata
 import json
 import os
 import time
@@ -20,16 +21,17 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 SKIP_REASON = (
     "no CUDA device: the GPU tier runs on a GPU (GPU_TIER_ON_CPU=1 runs it on CPU at small shapes)"
 )
-# bf16 dense tensor-core peaks in TFLOP/s from the vendors' data sheets (no sparsity), by a
-# substring of torch.cuda.get_device_name; a device not named here gets one large matmul's rate
+# bf16 dense tensor-core peaks in TFLOP/s from the vendors' data sheets (no sparsity), by the
+# exact name torch.cuda.get_device_name gives, less "NVIDIA " (a substring would take "H200 NVL"
+# for "H200"); a device not named here gets one large matmul's measured rate
 BF16_PEAK_TFLOPS = {
-    "H200": 989.0,
+    "H100 80GB HBM3": 989.0,  # SXM
     "H100 PCIe": 756.0,
     "H100 NVL": 835.0,
-    "H100": 989.0,  # SXM (after the PCIe and NVL names, which it is a substring of)
-    "GH200": 989.0,
-    "A100": 312.0,
-    "A10G": 70.0,
+    "H200": 989.0,  # SXM
+    "H200 NVL": 835.0,
+    "A100-SXM4-80GB": 312.0,
+    "A100 80GB PCIe": 312.0,
     "L40S": 362.0,
     "L4": 121.0,
 }
@@ -52,10 +54,9 @@ def bf16_peak_flops():
     """(FLOP/s, where it came from): the data sheet's bf16 peak for a known GPU, else one large
     bf16 matmul's measured rate (on CPU: the stand-in's, a CPU figure)."""
     if CUDA:
-        name = torch.cuda.get_device_name(0)
-        for key, tflops in BF16_PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12, f"data sheet ({key})"
+        name = torch.cuda.get_device_name(0).removeprefix("NVIDIA ")
+        if name in BF16_PEAK_TFLOPS:
+            return BF16_PEAK_TFLOPS[name] * 1e12, f"data sheet ({name})"
     n = 8192 if CUDA else 512
     a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
@@ -97,6 +98,7 @@ class Summary:
             "device": device_name(),
             "mode": "cuda" if CUDA else "cpu stand-in",
             "torch": torch.__version__,
+            "transformers": importlib.metadata.version("transformers"),
             "date": datetime.date.today().isoformat(),
             "shapes": {k: v for k, v in shapes().items() if k != "models"},
         }
