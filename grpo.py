@@ -44,8 +44,8 @@ from batching import (
     plan_micro_batches,
     take_groups,
 )
-from checks import RunError, entry_code, exit_process
 from data import batch_rows
+from exits import RunError, entry_code, exit_process
 from fit import Knobs
 from generation import Generations, sampler_logp_gap
 from prefetch import Prefetcher

@@ -47,8 +47,6 @@ from checkpoint import (
     save_checkpoint,
 )
 from checks import (
-    RunError,
-    StepGuard,
     check_attn_implementation,
     check_ds_config,
     check_global_batch,
@@ -57,8 +55,10 @@ from checks import (
     check_vllm,
     training_dtype,
 )
+from exits import RunError
 from fit import MEMORY_KNOBS, OOM_HINTS, KnobAdapter, estimate_run_memory, fit_to_budget
 from generation import attn_implementation_for, generate_hf, unwrap_for_generation
+from guard import StepGuard
 from logprobs import DEFAULT_CHUNK_SIZE
 from memory import MemoryLedger
 from recipes import apply_recipe

@@ -45,9 +45,9 @@ from batching import (
     mini_batch_plans,
     plan_micro_batches,
 )
-from checks import RunError, entry_code, exit_process
 from critic import build_critic, forward_values
 from data import batch_rows
+from exits import RunError, entry_code, exit_process
 from fit import Knobs
 from generation import attn_implementation_for, sampler_logp_gap
 from logprobs import positions_from_mask

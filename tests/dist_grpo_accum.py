@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from checks import exit_process
+from exits import exit_process
 from fit import Knobs
 from generation import Generations
 from grpo import (
@@ -304,5 +304,5 @@ if failures:
 print(f"rank {rank}: accumulation equivalence OK")
 dist.destroy_process_group()
 # Skip the interpreter's teardown, as the loops do: DeepSpeed's leftover gloo threads can abort a
-# finished rank there (checks.exit_process).
+# finished rank there (exits.exit_process).
 exit_process(0)

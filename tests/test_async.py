@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import conftest
-from checks import RunError
 from conftest import ROOT, free_port, train_rows
+from exits import RunError
 from grpo import importance_cap, parse_args, vllm_importance_weights
 from prefetch import Prefetcher
 

@@ -179,7 +179,7 @@ def test_bad_environments_and_templates(tokenizer):
         envs.load_env("calculator")
     with pytest.raises(envs.EnvError, match="No module named"):
         envs.load_env("no_such_module:f")
-    from checks import RunError
+    from exits import RunError
     from grpo import parse_args
 
     assert parse_args(["--env", "envs:calculator"]).env == "envs:calculator"  # as given
