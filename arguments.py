@@ -10,10 +10,10 @@ argparse's text to rank 0.
 
 A range is "> a", ">= a" or an interval "(a, b]", "[a, b)", ...; a string field's choices are a
 tuple. A value outside it, NaN or inf is refused with one message naming the flag, the value and
-the range (exit 2, checks.RunError); --help shows it after the field's help text. A flag is
+the range (exit 2, exits.RunError); --help shows it after the field's help text. A flag is
 never abbreviated (--max_step is unknown, and the message names --max_steps, as it names the
 closest flag to a typo), and a value may start with "-" and a digit ("--learning_rate -1e-4").
-Imports checks.py (RunError) and zero3_utils.py (process_rank).
+Imports exits.py (RunError) and zero3_utils.py (process_rank).
 """
 
 import contextlib
@@ -27,7 +27,7 @@ import re
 import sys
 import types
 
-from checks import RunError
+from exits import RunError
 from zero3_utils import process_rank
 
 

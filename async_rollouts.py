@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from arguments import arg
-from checks import RunError
+from exits import RunError
 from prefetch import Prefetcher
 from vllm_server import ServerError
 from zero3_utils import all_cat

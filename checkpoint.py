@@ -68,11 +68,11 @@ RESUME_MAY_CHANGE = (
 STEP_DIR = re.compile(r"^step(\d+)$")
 
 
-EXIT_STOPPED = 5  # checks.py's table of exit codes lists it
+EXIT_STOPPED = 5  # exits.py's table of exit codes lists it
 
 
 class ResumeError(ValueError):
-    """This run cannot resume; the message says why and what to change. exit_code makes checks.entry
+    """This run cannot resume; the message says why and what to change. exit_code makes exits.entry
     print it as one line (every rank finds the same files) and exit 2."""
 
     exit_code, everywhere = 2, True
@@ -345,7 +345,7 @@ def clear_run(run_dir):
 
 # ---- Preemption: finish the step, checkpoint, exit ---------------------------------------------
 class Stopped(RuntimeError):
-    """The run stopped on a signal after saving a checkpoint; checks.entry prints it as one line."""
+    """The run stopped on a signal after saving a checkpoint; exits.entry prints it as one line."""
 
     exit_code, everywhere, label = EXIT_STOPPED, True, "stopped"
 
@@ -364,7 +364,7 @@ class StopOnSignal:
     Python runs the handler between bytecodes, so nothing is cut in half. requested() is a
     collective so that every rank stops after the same step even when the signal reached one rank,
     or reached the ranks in different steps. After the first SIGINT the default handler is back: a
-    second Ctrl-C raises KeyboardInterrupt at once (checks.entry_code: exit 130, no checkpoint).
+    second Ctrl-C raises KeyboardInterrupt at once (exits.entry_code: exit 130, no checkpoint).
     torchrun forwards SIGTERM/SIGINT to its workers and kills them after
     TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (torch's default 30; run.sh sets a longer default), so a
     step and a save must fit in it."""

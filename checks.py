@@ -1,192 +1,29 @@
-"""Fail early and once: pre-flight checks of a run's inputs, a guard against non-finite steps,
-and the entry point that turns a known failure into one readable message and an exit code.
+"""Fail early and once: the pre-flight, every input of a run checked before any model is loaded or
+any step is taken, each failure one message that says what to change (RunError, exit 2; exits.py
+prints it and ends the process with the code).
 
-    from checks import RunError, StepGuard, entry, ...
-    def main(argv=None):
-        args = parse_args_quietly(Args, argv)           # arguments.py: rank 0 prints argparse's
-        if args.loss_type not in LOSS_TYPES:
-            raise RunError("--loss_type x: choose one of ...")  # rank 0 prints it, all exit 2
-        guard = StepGuard(max_bad_steps=3)
-        ...
-        guard.update(step, loss=total_loss, grad_norm=engine.get_global_grad_norm(),
-                     skipped=not engine.was_step_applied())  # RunError(code 3): 3 in a row
-    if __name__ == "__main__":
-        exit_process(entry_code(main))                   # never returns; see exit_process
+    found = check_inputs(args, rank, reward_model, env, teacher)  # harness.preflight, with
+    check_vllm(...), check_global_batch(...), check_ds_config(...), ...  # the rest of its pass
 
-Exit codes of the training script (0: the run finished) (torchrun itself exits 1 when a child fails
-and prints each child's code in its summary; run.sh runs the pre-flight checks in one process, the
-ranks waiting for it, so bad input gets exit 2 from run.sh and no torchrun summary):
-    2  bad input or configuration: nothing was trained
-    3  training diverged: non-finite loss or gradients in `max_bad_steps` steps in a row
-    4  out of memory: the message names the phase and the knob that lowers its peak
-    5  stopped by SIGTERM or SIGINT after a step, with a checkpoint: continue with --resume True
-       (checkpoint.StopOnSignal)
-    6  the vLLM server (--vllm_mode server) was unreachable at start or died mid-run: the message
-       names its address and log file (vllm_server.ServerError)
-  130  a second Ctrl-C: stopped at once, no checkpoint
-A failure every rank sees alike (a config error) is printed by rank 0 only; a failure of one rank
-(a reward function raising on its own prompts, memory) is printed by that rank, prefixed with it,
-and torchrun stops the other ranks. A known failure is any exception with an `exit_code` attribute
-(RunError here, tasks.RewardError, checkpoint.ResumeError); anything else is a bug and keeps its
-traceback. Imports tasks.py, data.py and batching.py (check_inputs: the inputs both loops share),
-memory.py (is_out_of_memory) and zero3_utils.py (process_rank).
+run.sh runs the pre-flight in one process before any rank begins (`--preflight True`), so bad input
+gets exit 2 from run.sh and no torchrun summary. Imports exits.py (RunError), tasks.py, data.py and
+batching.py (check_inputs: the inputs both loops share), zero3_load.py (a checkpoint's files).
 """
 
 import collections
-import contextlib
-import glob
 import importlib
 import importlib.util
 import json
-import logging
-import math
 import os
 import sys
-import time
-import traceback
 
 import torch
 
 from batching import encode_prompts, stop_token_ids, template_kwargs
 from data import row_name, shuffled_rows, size_problem
-from memory import is_out_of_memory
+from exits import RunError
 from tasks import TASK_CHARS, reward_functions, score_completions, task_model
 from zero3_load import checkpoint_files, local_dir
-from zero3_utils import process_rank
-
-EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM = 2, 3, 4
-EXIT_SERVER = 6  # vllm_server.ServerError's exit_code (that file imports no checks.py)
-
-
-class RunError(RuntimeError):
-    """A failure with a message that says what to change; `everywhere`: every rank raises it
-    alike."""
-
-    def __init__(self, message, exit_code=EXIT_CONFIG, everywhere=True):
-        super().__init__(message)
-        self.exit_code, self.everywhere = exit_code, everywhere
-
-
-def report(message, everywhere=True, label="error"):
-    """One line to stderr: from rank 0 when every rank has the same message, else from this rank."""
-    if everywhere and process_rank() != 0:
-        return
-    where = "" if everywhere else f"[rank {process_rank()}] "
-    print(f"{where}{label}: {message}", file=sys.stderr, flush=True)
-
-
-def entry(main, argv=None):
-    """Run main(argv) and return the process exit code: 0; a known failure's own code (printed as
-    one line); 4 for out of memory; 1 when a collective failed because another rank went away
-    first."""
-    try:
-        main(argv)
-        return 0
-    except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
-        # a RunError, or a sibling's own (RewardError, ResumeError): no traceback
-        if hasattr(e, "exit_code"):
-            report(str(e), getattr(e, "everywhere", False), getattr(e, "label", "error"))
-            return e.exit_code
-        # another rank failed first and said why; a traceback here would only bury that
-        if _peer_lost(e):
-            print(
-                f"[rank {process_rank()}] stopped: lost the connection to another rank (its "
-                "message above says why)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return 1
-        if not is_out_of_memory(e):
-            raise
-        # memory.MemoryLedger names the phase; outside any phase this is model or optimizer set-up
-        msg = str(e)
-        if "in phase" not in msg:
-            msg = (
-                "out of memory outside the training phases (loading the models or building the "
-                f"optimizer): {msg.splitlines()[0][:200]}; use a ZeRO-3 config (configs/zero3.json"
-                "), offload (configs/zero3_offload.json), or more GPUs; `--estimate_memory True` "
-                "predicts each phase"
-            )
-        report(msg, everywhere=False)
-        return EXIT_OOM
-
-
-def wait_for_preflight():
-    """run.sh starts torchrun beside the pre-flight process, so that the ranks import torch,
-    transformers and DeepSpeed while it checks the inputs. A rank begins (reads its arguments,
-    prints, writes) once the pre-flight has passed, which run.sh marks by creating the file
-    $PREFLIGHT_PASSED. After a failure run.sh kills torchrun, and its ranks end here unheard, so
-    bad input still ends with the pre-flight's one message; so they do if run.sh dies."""
-    marker = os.environ.get("PREFLIGHT_PASSED")
-    torchrun, run_sh = os.getppid(), os.environ.get("PREFLIGHT_PARENT")
-    while marker and not os.path.exists(marker):
-        if os.getppid() != torchrun or not running(int(run_sh)):
-            os._exit(1)
-        time.sleep(0.05)
-
-
-def running(pid):
-    """Whether process `pid` runs; one that ended but is not yet reaped (a zombie) does not."""
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether it exists
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except ProcessLookupError:
-        return False
-    except OSError:  # no /proc (not Linux): it exists
-        return True
-
-
-def entry_code(main, argv=None):
-    """entry(main, argv), once the pre-flight beside it passed, and a code for what entry lets
-    through: argparse's own exit (--help: 0, a bad value: 2), a second Ctrl-C (130, one line), a
-    bug (1, with its traceback)."""
-    wait_for_preflight()
-    try:
-        return entry(main, argv)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except KeyboardInterrupt:
-        print(
-            f"[rank {process_rank()}] interrupted: stopped at once, no checkpoint written",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 130
-    except Exception:  # a bug: keep its traceback
-        traceback.print_exc()
-        return 1
-
-
-def exit_process(code):
-    """End this process now with `code`, skipping the interpreter's teardown.
-
-    Why: DeepSpeed keeps references to the process groups (its global `groups._WORLD_GROUP`, its
-    engines and ZeRO-3 parameters), so `destroy_process_group()` cannot free them and their gloo
-    threads (`gloo_tcp_loop`, `pt_gloo_runloop`) run on while Python tears the interpreter down and
-    the C++ runtime destroys its static objects under them. Now and then that aborted a run whose
-    work was done ("terminate called without an active exception", SIGABRT, torchrun exit 1).
-    Everything a run writes is closed or fsynced before this point (metrics.jsonl, checkpoints,
-    the final model, wandb.finish); stdio and logging are flushed here. multiprocessing ends its
-    own child processes the same way (os._exit after the target returns)."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing left to flush into
-            stream.flush()
-    os._exit(code)
-
-
-def _peer_lost(e):
-    """A collective failed because another rank's process went away (gloo or NCCL)."""
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        m in text
-        for m in (
-            "Connection closed by peer",
-            "Connection reset by peer",
-            "NCCL communicator was aborted",
-        )
-    )
 
 
 # ---- Pre-flight: inputs, before any model is loaded or any step is taken -------------------------
@@ -317,82 +154,6 @@ def check_stop_ids(tokenizer, stop_ids, model_path):
             f"{tokenizer.eos_token_id}; a chat model's end of turn is found from its template) "
             "and save the model again, or give a --model whose configs match its tokenizer"
         )
-
-
-def build_locks():
-    """The `lock` files in torch's extension build directories (TORCH_EXTENSIONS_DIR, else
-    ~/.cache/torch_extensions/<python>_<accelerator>/), where DeepSpeed JIT-builds its ops
-    (deepspeed_shm_comm on CPU, at init_distributed)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        return sorted(glob.glob(os.path.join(root, "*", "lock")))
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return sorted(glob.glob(os.path.join(get_default_build_root(), "*", "*", "lock")))
-
-
-def lock_holders(path):
-    """The pids on this machine with `path` open (a build in progress holds its lock open:
-    torch's FileBaton), and whether every process could be looked at (another user's cannot)."""
-    target, pids, seen_all = os.path.realpath(path), [], True
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except PermissionError:
-            seen_all = False
-            continue
-        except FileNotFoundError:  # ended meanwhile
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                    pids.append(int(pid))
-            except OSError:  # closed meanwhile, or not ours to read
-                continue
-    return pids, seen_all
-
-
-def clear_stale_build_locks(wait_s=60, say=print):
-    """A build stopped midway (a run killed while DeepSpeed JIT-built an op) leaves its `lock`, and
-    every later build waits on it forever (torch's FileBaton: no timeout, no message). Call before
-    DeepSpeed's init_distributed, on each node's local rank 0. A lock that a process here holds
-    open is a build in progress: left alone. One nobody here holds, on one node where every process
-    could be looked at, is stale: removed, with one line. Otherwise (several nodes, whose home may
-    be shared, or processes of other users) it gets wait_s seconds to go, then a RunError naming
-    the file."""
-    if not os.path.isdir("/proc"):  # not Linux: nothing to look at
-        return
-    nodes = int(os.environ.get("WORLD_SIZE", 1)) > int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    for path in build_locks():
-        try:
-            inode = os.stat(path).st_ino
-        except FileNotFoundError:  # its build just finished
-            continue
-        holders, seen_all = lock_holders(path)
-        if holders:
-            continue
-        if seen_all and not nodes:
-            try:
-                if os.stat(path).st_ino == inode:  # not a new build's lock taken meanwhile
-                    os.remove(path)
-                    say(
-                        f"removed a stale build lock {path} (no process is building: a build was "
-                        "stopped midway)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            except FileNotFoundError:
-                pass
-            continue
-        deadline = time.monotonic() + wait_s
-        while os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(1)
-        if os.path.exists(path) and not lock_holders(path)[0]:
-            raise RunError(
-                f"{path}: a build lock that no process on this machine holds, still there after "
-                f"{wait_s} s (a build stopped midway leaves it, and DeepSpeed would wait on it "
-                "forever): delete it if no run on another node is building that op, and run again"
-            )
 
 
 def check_templates(tokenizer, rows, args, model_path, kwargs):
@@ -880,49 +641,3 @@ def probe_rewards(score, rows, num_generations=2, hint=""):
             f"{e} (checked before training on {len(completions)} completions of "
             f"{len(rows)} prompts){hint}"
         ) from None
-
-
-# ---- During training: non-finite steps ----------------------------------------------------------
-class StepGuard:
-    """Counts optimizer steps skipped for non-finite loss or gradients; stops after `max_bad_steps`
-    in a row.
-
-    DeepSpeed (0.19, ZeRO-1/2/3 in fp32 and bf16) already refuses to apply a step whose gradient
-    norm is inf/NaN: it zeroes the gradients, leaves the weights alone and reports
-    was_step_applied() False, on every rank alike. This guard makes that visible (a count in the
-    metrics), stops a run that keeps diverging, and refuses to go on if a non-finite step was
-    applied after all (a config without the check, e.g. ZeRO-0), since the weights may then hold
-    NaN.
-    """
-
-    def __init__(self, max_bad_steps=3):
-        self.max_bad_steps, self.in_a_row, self.skipped = max_bad_steps, 0, 0
-
-    def update(self, step, loss, grad_norm, skipped):
-        """step: 1-based; loss: summed over all ranks (NaN if any rank's was); grad_norm: the global
-        norm or None; skipped: DeepSpeed skipped an optimizer step of this training step."""
-        finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
-        if not finite and not skipped:
-            raise RunError(
-                f"step {step}: loss {loss}, gradient norm {grad_norm}, and DeepSpeed applied the "
-                f"update anyway (a config without its overflow check, e.g. ZeRO stage 0); the "
-                "weights "
-                f"may now be NaN: resume from the last checkpoint with ZeRO-1/2/3 and a lower "
-                f"--learning_rate",
-                EXIT_DIVERGED,
-            )
-        if not skipped:
-            self.in_a_row = 0
-            return
-        self.skipped += 1
-        self.in_a_row += 1
-        if self.in_a_row >= self.max_bad_steps:
-            raise RunError(
-                f"{self.in_a_row} steps in a row (last: step {step}) had a non-finite loss or "
-                "gradient "
-                f"(loss {loss}, gradient norm {grad_norm}) and were skipped; the weights are those "
-                "of "
-                f"the last good step. Lower --learning_rate or --max_grad_norm, check the rewards "
-                f"for huge values, or use --dtype fp32",
-                EXIT_DIVERGED,
-            )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from arguments import arg
 from batching import all_sum
-from checks import RunError
+from exits import RunError
 
 
 @dataclass

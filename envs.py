@@ -62,7 +62,7 @@ class EnvArgs:  # grpo.py's flags for multi-turn rollouts
 
 class EnvError(RuntimeError):
     """An environment failed (raised, returned the wrong type) or a chat template cannot carry a
-    multi-turn conversation; the message names it. Exit code 2 (checks.entry)."""
+    multi-turn conversation; the message names it. Exit code 2 (exits.entry)."""
 
     exit_code, everywhere = 2, False
 

@@ -29,8 +29,8 @@ budget) and the log-prob tile; accumulation and tiling change the order of float
 not the sum (docs/accumulation.md). The generation batch size and
 vllm_batch_size are chosen in the pre-flight only: generate_hf and vLLM draw each call's samples
 from one random stream, so splitting the same prompts into other calls samples other completions.
-This file imports checks, logprobs, memory, tasks, tiny_models and zero3_utils (it is the one that
-needs the run's arguments; estimate.py stays a pure estimate).
+This file imports checks, exits, logprobs, memory, tasks, tiny_models and zero3_utils (it is the one
+that needs the run's arguments; estimate.py stays a pure estimate).
 """
 
 import copy
@@ -40,8 +40,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from checks import RunError, check_model_path, read_ds_json, training_dtype
+from checks import check_model_path, read_ds_json, training_dtype
 from estimate import PRESETS, describe, estimate_memory, format_table, lora_params, model_shape
+from exits import RunError
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
 from memory import GB
 from tasks import TASK_CHARS

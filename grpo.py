@@ -48,11 +48,11 @@ from batching import (
     micro_batches,
     plan_micro_batches,
 )
-from checks import RunError, entry_code, exit_process
 from cispo import cispo_per_token
 from dapo import DapoArgs, dynamic_sampling, truncated
 from data import batch_rows
 from distill import DistillArgs, teacher_advantages
+from exits import RunError, entry_code, exit_process
 from fit import Knobs
 from generation import Generations, sampler_logp_gap
 from gspo import IMPORTANCE_SAMPLING_LEVELS, sequence_log_ratio
@@ -569,4 +569,4 @@ def step_line(row):
 
 
 if __name__ == "__main__":  # vLLM spawns workers: keep the entry point guarded
-    exit_process(entry_code(main))  # a known failure: one message and its exit code (checks.py)
+    exit_process(entry_code(main))  # a known failure: one message and its exit code (exits.py)

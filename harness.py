@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM
 
 from arguments import arg, parse_args_quietly
 from batching import all_sum, encode_prompts, init_distributed
+from build_locks import clear_stale_build_locks
 from checkpoint import (
     StopOnSignal,
     Stopped,
@@ -47,19 +48,18 @@ from checkpoint import (
     save_checkpoint,
 )
 from checks import (
-    RunError,
-    StepGuard,
     check_attn_implementation,
     check_ds_config,
     check_global_batch,
     check_inputs,
     check_partitioned_loading,
     check_vllm,
-    clear_stale_build_locks,
     training_dtype,
 )
+from exits import RunError
 from fit import MEMORY_KNOBS, OOM_HINTS, KnobAdapter, estimate_run_memory, fit_to_budget
 from generation import attn_implementation_for, generate_hf, unwrap_for_generation
+from guard import StepGuard
 from logprobs import DEFAULT_CHUNK_SIZE
 from memory import MemoryLedger
 from recipes import apply_recipe

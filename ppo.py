@@ -47,10 +47,10 @@ from batching import (
     mini_batch_plans,
     plan_micro_batches,
 )
-from checks import RunError, entry_code, exit_process
 from cispo import cispo_per_token
 from critic import build_critic, forward_values
 from data import batch_rows
+from exits import RunError, entry_code, exit_process
 from fit import Knobs
 from generation import attn_implementation_for, sampler_logp_gap
 from logprobs import positions_from_mask
@@ -558,4 +558,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    exit_process(entry_code(main))  # a known failure: one message and its exit code (checks.py)
+    exit_process(entry_code(main))  # a known failure: one message and its exit code (exits.py)

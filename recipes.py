@@ -11,7 +11,7 @@ import sys
 import envs
 import smollm2
 from arguments import check_ranges
-from checks import RunError
+from exits import RunError
 
 GRPO = {
     "pretrained": {  # a small LR, longer answers, a batch that fits beside a real model

@@ -21,7 +21,8 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from arguments import arg, parse_args_quietly
-from checks import entry, load_tokenizer
+from checks import load_tokenizer
+from exits import entry
 from tasks import TASK_CHARS
 from tiny_models import build_tiny
 
@@ -56,4 +57,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(entry(main))  # bad input: one message, exit 2 (checks.RunError)
+    sys.exit(entry(main))  # bad input: one message, exit 2 (exits.RunError)

@@ -189,7 +189,7 @@ if [[ -n ${MASTER_PORT:-} && ${NODE_RANK:-0} == 0 ]]; then
   port_free "$MASTER_PORT" || port_taken "$MASTER_PORT"
 fi
 # The pre-flight runs beside torchrun: the ranks import torch, transformers and DeepSpeed while it
-# checks, and begin once it passed (the file $beside exists: checks.wait_for_preflight); when it
+# checks, and begin once it passed (the file $beside exists: exits.wait_for_preflight); when it
 # fails, torchrun is killed before any rank began and run.sh exits with its code. Server mode runs
 # it first: the server starts from the model and the settings it writes.
 preflight() {

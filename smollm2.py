@@ -55,7 +55,7 @@ SYSTEM_PROMPT = (
 
 
 class FetchError(RuntimeError):
-    """The model could not be fetched or converted; exit code 2 (checks.py: bad input, nothing
+    """The model could not be fetched or converted; exit code 2 (exits.py: bad input, nothing
     ran), so the loops report it as one line."""
 
     exit_code = 2

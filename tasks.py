@@ -176,7 +176,7 @@ def reward_functions(reward_funcs, reward_weights, data):
 
 class RewardError(ValueError):
     """A reward function failed: raised, miscounted, or returned a non-number / NaN / inf. The
-    message names it; exit_code makes checks.entry print it as one line (from the rank that hit it)
+    message names it; exit_code makes exits.entry print it as one line (from the rank that hit it)
     and exit 2."""
 
     exit_code, everywhere = 2, False

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install (if needed), lint, and run the whole test suite. Extra args go to pytest, e.g.
 #   bash test.sh -k logprobs -x
+#   bash test.sh --fast    # the unit tests only (no torchrun, run.sh, vLLM): after an edit
+# (--fast and --gpu are tests/conftest.py's options; docs/testing.md)
 set -euo pipefail
 cd "$(dirname "$0")"
 venv=$(bash install.sh test)   # .venv, or an environment of your own as it is (install.sh)

@@ -18,7 +18,7 @@ import torch
 
 from arguments import arg
 from batching import all_sum
-from checks import RunError
+from exits import RunError
 
 VLLM_IMPORTANCE_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 

@@ -24,7 +24,7 @@ Public API
         the loops' generator for --vllm_mode (colocate: generation.VLLMGenerator; server: this
         file's), from the flags grpo.py and ppo.py share (use_vllm, vllm_mode, vllm_server_url,
         vllm_batch_size, vllm_gpu_memory_utilization, vllm_tensor_parallel_size, seed, run_dir)
-    ServerError           unreachable or dead server; exit code 6 (checks.EXIT_SERVER)
+    ServerError           unreachable or dead server; exit code 6 (exits.EXIT_SERVER)
 
 What vLLM gives and what is ours. Requests go to vLLM's own /v1/completions: token-id prompts in
 (`prompt` as lists of ids, so nothing is re-tokenized), `return_token_ids` and `logprobs=0` give the
@@ -55,7 +55,7 @@ from zero3_utils import process_rank
 
 class ServerError(RuntimeError):
     """The vLLM server cannot be reached or died; the message names its address and log file.
-    exit_code makes checks.entry print it as one line (from the rank that saw it) and exit 6."""
+    exit_code makes exits.entry print it as one line (from the rank that saw it) and exit 6."""
 
     exit_code, everywhere = 6, False
 

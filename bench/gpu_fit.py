@@ -22,8 +22,8 @@ os.chdir(ROOT)
 
 import fit  # noqa: E402
 import grpo  # noqa: E402
-from checks import RunError  # noqa: E402
 from estimate import estimate_memory  # noqa: E402
+from exits import RunError  # noqa: E402
 from memory import GB  # noqa: E402
 
 SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b")

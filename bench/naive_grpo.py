@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import batching  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
-from checks import entry_code, exit_process  # noqa: E402
+from exits import entry_code, exit_process  # noqa: E402
 
 
 def naive_model_logps(

@@ -444,7 +444,7 @@ def ours_worker(spec, result):
     prof.write(threads=torch.get_num_threads())
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    import checks
+    import exits
     import grpo
     import harness
     import memory
@@ -499,7 +499,7 @@ def ours_worker(spec, result):
             return out
 
         deepspeed.initialize = initialize_without_allreduce
-    code = checks.entry_code(grpo.main, spec["ours_argv"])
+    code = exits.entry_code(grpo.main, spec["ours_argv"])
     rows = []
     metrics = os.path.join(spec["run_dir"], "metrics.jsonl")
     if os.path.exists(metrics):
@@ -508,7 +508,7 @@ def ours_worker(spec, result):
     for step, row in zip(prof.steps, rows):  # grpo.py times its rollout phase itself
         step["phases"]["rollout"] = row["rollout_s"]
     prof.write(exit_code=code, log=rows)
-    checks.exit_process(code)
+    exits.exit_process(code)
 
 
 def hide_vllm():

@@ -1,4 +1,5 @@
-"""Shared test fixtures: tiny offline models and a torchrun launcher for 2-process tests."""
+"""Shared test fixtures: tiny offline models and a torchrun launcher for 2-process tests; the
+--gpu and --fast selections (docs/testing.md)."""
 
 import json
 import os
@@ -6,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -28,6 +30,62 @@ def pytest_addoption(parser):
         help="the GPU tier (tests/gpu) and nothing else; without a CUDA device it skips unless "
         "GPU_TIER_ON_CPU=1 (a CPU stand-in at small shapes); summary in $GPU_TIER_OUT",
     )
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="the unit tests only: deselect every test that launches a process (torchrun, run.sh, "
+        "a subprocess: in its code, a helper of tests/ it calls or a fixture) or is marked slow",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "slow: slow in this process (a test that launches torchrun, run.sh or a subprocess needs "
+        "no mark: --fast finds it in its code); --fast deselects both",
+    )
+
+
+# Names that launch a process, in a test's code or in a helper or fixture of tests/ that it calls.
+LAUNCHERS = {"subprocess", "Popen", "torchrun", "run_sh", "multiprocessing", "spawn"}
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def launches(func, seen):
+    """Whether `func` names a launcher, or calls a function of tests/ that does (followed by name
+    through its module's globals, nested functions and lambdas included)."""
+    code = getattr(func, "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        for name in c.co_names:
+            if name in LAUNCHERS:
+                return True
+            target = func.__globals__.get(name)
+            target = getattr(target, "__wrapped__", target)  # a @contextmanager helper's function
+            if isinstance(target, types.FunctionType) and target.__code__.co_filename.startswith(
+                TESTS_DIR + os.sep
+            ):
+                if launches(target, seen):
+                    return True
+    return False
+
+
+def is_slow(item):
+    """A test that launches a process: its own code, the helpers of tests/ it calls, its
+    fixtures."""
+    if item.get_closest_marker("slow"):
+        return True
+    funcs = [getattr(item, "function", None)]
+    for name in item.fixturenames:
+        defs = item._fixtureinfo.name2fixturedefs.get(name) or ()
+        funcs += [d.func for d in defs]
+    seen = set()
+    return any(launches(f, seen) for f in funcs if f is not None)
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -47,6 +105,10 @@ def pytest_collection_modifyitems(config, items):
     if not config.getoption("--gpu"):
         for item in tier:
             item.add_marker(pytest.mark.skip(reason="the GPU tier: bash test.sh --gpu"))
+        if config.getoption("--fast"):  # the unit tests: nothing that launches a process
+            slow = {i for i in items if i in tier or is_slow(i)}
+            config.hook.pytest_deselected(items=[i for i in items if i in slow])
+            items[:] = [i for i in items if i not in slow]
         return
     config.hook.pytest_deselected(items=[i for i in items if i not in tier])
     items[:] = tier

@@ -25,7 +25,7 @@ from deepspeed.utils import safe_get_full_grad
 from transformers import AutoModelForCausalLM
 
 from batching import loss_inputs
-from checks import exit_process
+from exits import exit_process
 from grpo import grpo_loss, loss_normalizer, parse_args, update
 
 TOLERANCE = 3e-2
@@ -122,5 +122,5 @@ if failures:
 print(f"rank {rank}: bf16 accumulation equivalence OK, largest relative error {worst:.2e}")
 dist.destroy_process_group()
 # Skip the interpreter's teardown, as the loops do: DeepSpeed's leftover gloo threads can abort a
-# finished rank there (checks.exit_process).
+# finished rank there (exits.exit_process).
 exit_process(0)

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from batching import loss_inputs
-from checks import exit_process
 from dapo import dynamic_sampling
+from exits import exit_process
 from fit import Knobs
 from generation import Generations
 from grpo import (
@@ -296,5 +296,5 @@ if failures:
 print(f"rank {rank}: accumulation equivalence OK")
 dist.destroy_process_group()
 # Skip the interpreter's teardown, as the loops do: DeepSpeed's leftover gloo threads can abort a
-# finished rank there (checks.exit_process).
+# finished rank there (exits.exit_process).
 exit_process(0)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from checks import exit_process
+from exits import exit_process
 from logprobs import model_logps, positions_from_mask
 
 
@@ -120,5 +120,5 @@ def main():
 if __name__ == "__main__":
     main()
     # skip the interpreter's teardown, as the loops do: DeepSpeed's leftover gloo threads can
-    # abort a finished rank there (checks.exit_process)
+    # abort a finished rank there (exits.exit_process)
     exit_process(0)

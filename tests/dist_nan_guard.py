@@ -1,6 +1,6 @@
 """torchrun worker (2 ranks): a non-finite loss on ONE rank skips the optimizer step on both, keeps
 the weights AND the Adam states clean, is counted, and a streak of them stops the run
-(checks.StepGuard).
+(guard.StepGuard).
 
 For ZeRO-2 and ZeRO-3 with configs/zero3.json's AdamW (as grpo.py builds it): a clean step applies;
 a step where rank 1's advantages hold a NaN (so its loss and, through the gradient all-reduce, every
@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from checks import EXIT_DIVERGED, RunError, StepGuard, exit_process
+from exits import EXIT_DIVERGED, RunError, exit_process
 from grpo import parse_args, update
+from guard import StepGuard
 from zero3_utils import gathered, load_ds_config
 
 model_dir, config_dir = sys.argv[1:3]
@@ -115,5 +116,5 @@ for stage in (2, 3):
     engine.destroy()
 dist.destroy_process_group()
 # Skip the interpreter's teardown, as the loops do: DeepSpeed's leftover gloo threads can abort a
-# finished rank there (checks.exit_process).
+# finished rank there (exits.exit_process).
 exit_process(0)

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from checks import exit_process
 from critic import build_critic
+from exits import exit_process
 from generation import attn_implementation_for
 from logprobs import model_logps, positions_from_mask
 from zero3_load import load_model
@@ -208,4 +208,4 @@ def each_build(dtype, rm_path, families, rank):
 
 if __name__ == "__main__":
     main()
-    exit_process(0)  # skip the interpreter's teardown, as the loops do (checks.exit_process)
+    exit_process(0)  # skip the interpreter's teardown, as the loops do (exits.exit_process)

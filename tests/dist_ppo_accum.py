@@ -18,7 +18,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from batching import loss_inputs, micro_slice
-from checks import exit_process
+from exits import exit_process
 from ppo import (
     build_critic,
     forward_logps,
@@ -198,5 +198,5 @@ if failures:
 print(f"rank {rank}: ppo accumulation equivalence OK")
 dist.destroy_process_group()
 # Skip the interpreter's teardown, as the loops do: DeepSpeed's leftover gloo threads can abort a
-# finished rank there (checks.exit_process).
+# finished rank there (exits.exit_process).
 exit_process(0)

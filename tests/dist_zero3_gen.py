@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from checks import exit_process
+from exits import exit_process
 
 
 class BodyError(Exception):
@@ -242,5 +242,5 @@ def main(model_dir, tied_dir, out_dir):
 if __name__ == "__main__":
     main(*sys.argv[1:4])
     # skip the interpreter's teardown, as the loops do: DeepSpeed's leftover gloo threads can
-    # abort a finished rank there (checks.exit_process)
+    # abort a finished rank there (exits.exit_process)
     exit_process(0)

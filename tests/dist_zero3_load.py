@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from checks import exit_process
+from exits import exit_process
 from ppo import build_critic
 from zero3_load import load_model
 from zero3_utils import frozen_config, frozen_engine, iter_full_params
@@ -129,5 +129,5 @@ def main():
 if __name__ == "__main__":
     main()
     # skip the interpreter's teardown, as the loops do: DeepSpeed's leftover gloo threads can
-    # abort a finished rank there (checks.exit_process)
+    # abort a finished rank there (exits.exit_process)
     exit_process(0)

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import conftest
-from checks import RunError
 from conftest import ROOT, free_port, train_rows
+from exits import RunError
 from grpo import parse_args
 from prefetch import Prefetcher
 from vllm_is import importance_cap, vllm_importance_weights

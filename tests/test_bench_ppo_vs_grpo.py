@@ -31,6 +31,7 @@ def counts(argv):
         )
 
 
+@pytest.mark.slow  # counts a bench's passes over several configurations: ~45 s
 def test_pass_counts_follow_each_sides_flags():
     c = counts([])  # both recipes: checkpointing, on-policy (PPO: no old log-prob pass), no KL
     assert c["grpo"] == {"forwards": 2, "backwards": 1, "forward_equivalents": 4}

@@ -1,5 +1,5 @@
 """A stale torch-extensions `lock` (a run killed while DeepSpeed JIT-built an op) does not hang the
-next run: checks.clear_stale_build_locks removes one that no process holds open, leaves a build in
+next run: clear_stale_build_locks removes one that no process holds open, leaves a build in
 progress alone, and on several nodes stops after its wait with one message naming the file. The
 last test is a real run.sh run over a build directory holding such a lock."""
 
@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 
-from checks import RunError, build_locks, clear_stale_build_locks
+from build_locks import build_locks, clear_stale_build_locks
 from conftest import run_sh, train_rows
+from exits import RunError
 
 
 @pytest.fixture

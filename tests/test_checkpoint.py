@@ -313,7 +313,7 @@ def test_new_run_checks_in_the_preflight(tmp_path, monkeypatch, capsys, loop):
     --resume with --overwrite contradict; an empty or model-only run_dir is fine."""
     import importlib
 
-    from checks import entry
+    from exits import entry
 
     main = importlib.import_module(loop).main
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -1,7 +1,7 @@
 """Bad input fails before any step with one message that says what to change, and a known exit code.
 
 Most cases run the loops' real pre-flight (`--preflight True`: what run.sh runs in one process
-before torchrun) in this process through checks.entry, which is what `python grpo.py` runs; the last
+before torchrun) in this process through exits.entry, which is what `python grpo.py` runs; the last
 tests launch real runs: run.sh (exit 2, torchrun never starts), torchrun directly (every rank exits,
 one message), a reward function failing on one rank mid-run, and out of memory naming the phase.
 """
@@ -19,10 +19,9 @@ import torch
 
 import grpo
 import ppo
-from checks import EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM, RunError, StepGuard, entry
-from conftest import ROOT, free_port, run_sh, torchrun
+from conftest import ROOT, free_port, run_sh
+from exits import EXIT_CONFIG, EXIT_OOM, RunError, entry
 from fit import OOM_HINTS
-from memory import MemoryLedger
 
 REWARDS = """
 import os
@@ -337,42 +336,6 @@ def test_flash_attention_in_fp32_is_refused(env, capsys, loop):
         preflight(loop.main, env, "--attn_implementation", "flash_attention_2", "--dtype", "fp32"),
         "flash_attention_2 runs in bf16/fp16 only and this run trains in fp32 (--dtype fp32)",
     )
-
-
-def test_out_of_memory_names_the_phase_and_the_knob(capsys):
-    """A real allocation failure (the CPU allocator's, 128 TiB) inside a ledger phase."""
-
-    def main(argv):
-        ledger = MemoryLedger("cpu", OOM_HINTS)
-        with ledger.phase("update"):
-            torch.empty(2**45)
-
-    assert entry(main) == EXIT_OOM
-    err = capsys.readouterr().err
-    assert "out of memory in phase 'update'" in err and "--gradient_checkpointing True" in err, err
-    # every phase the loops record has its knob
-    for module in (grpo, ppo):
-        src = open(module.__file__).read()
-        phases = {p.split('"')[1] for p in src.split("phase(")[1:] if p.startswith('"')}
-        assert phases and phases <= set(OOM_HINTS), (
-            module.__name__,
-            phases - set(OOM_HINTS),
-        )
-
-
-def test_step_guard_counts_skips_and_stops_after_a_few_in_a_row():
-    guard = StepGuard(max_bad_steps=3)
-    guard.update(1, float("nan"), float("nan"), skipped=True)
-    guard.update(2, 0.5, 1.0, skipped=False)  # a good step resets the streak
-    guard.update(3, float("inf"), float("inf"), skipped=True)
-    guard.update(4, float("nan"), None, skipped=True)
-    assert guard.skipped == 3
-    with pytest.raises(RunError, match="3 steps in a row") as e:
-        guard.update(5, float("nan"), float("nan"), skipped=True)
-    assert e.value.exit_code == EXIT_DIVERGED
-    # never go on with possibly-NaN weights
-    with pytest.raises(RunError, match="applied the update anyway"):
-        StepGuard().update(1, float("nan"), 1.0, skipped=False)
 
 
 # ---- Refused before step 1 (issue #11, section 3) ------------------------------------------------
@@ -857,17 +820,6 @@ def test_rank_killed_by_the_kernel_is_named_with_its_phase(tmp_path):
     assert line.startswith("run.sh: rank 1 was killed (SIGKILL") and "phase 'rollout'" in line
     assert "out of memory" in line and OOM_HINTS["rollout"] in line, line
     assert out.count("run.sh: rank") == 1, out  # rank 0 stopped in Python: not named
-
-
-def test_non_finite_steps_are_skipped_on_every_rank_and_a_streak_stops(tiny_model):
-    """Real DeepSpeed ZeRO-2 and ZeRO-3 (AdamW from configs/zero3.json) on 2 ranks: see
-    dist_nan_guard.py."""
-    out = torchrun(
-        os.path.join(ROOT, "tests", "dist_nan_guard.py"), tiny_model, os.path.join(ROOT, "configs")
-    ).stdout
-    assert (
-        "ZeRO-2: non-finite steps skipped" in out and "ZeRO-3: non-finite steps skipped" in out
-    ), out
 
 
 def test_a_model_beside_the_policy_needs_its_tokenizer(env, capsys):

@@ -91,6 +91,7 @@ def test_the_length_limit_cuts_and_counts(tokenizer):
     assert ep.completion_ids.shape[1] <= first + 5 and int(ep.loss_mask.sum()) == 2 * first
 
 
+@pytest.mark.slow  # a model with the real 151k vocabulary, token by token: ~1 min under load
 def test_trainer_logps_loss_and_gradient(tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -171,7 +172,7 @@ def test_bad_environments_and_templates(tokenizer):
         envs.load_env("calculator")
     with pytest.raises(envs.EnvError, match="No module named"):
         envs.load_env("no_such_module:f")
-    from checks import RunError
+    from exits import RunError
     from grpo import parse_args
 
     assert parse_args(["--env", "envs:calculator"]).env == "envs:calculator"  # as given

@@ -15,9 +15,9 @@ import pytest
 import fit
 import grpo
 import ppo
-from checks import RunError
 from conftest import ROOT
 from estimate import PRESETS, estimate_memory
+from exits import RunError
 from fit import HIGH_WATER, LOW_WATER, MIN_TILE, KnobAdapter, Knobs, estimate_kwargs, fit_to_budget
 from memory import GB
 

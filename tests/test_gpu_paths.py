@@ -12,9 +12,9 @@ import torch
 
 import grpo
 import harness
-from checks import entry
 from conftest import free_port
 from estimate import PRESETS, estimate_memory, model_shape
+from exits import entry
 from fit import Knobs, estimate_kwargs
 from memory import MemoryLedger
 

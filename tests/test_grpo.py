@@ -460,7 +460,7 @@ def test_accumulation_equivalence_deepspeed(tiny_model, tmp_path):
 
 
 def test_bad_input_fails_with_a_message_that_says_what_to_change(tmp_path):
-    from checks import RunError
+    from exits import RunError
     from grpo import parse_args
 
     for argv, msg in (

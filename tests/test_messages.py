@@ -12,7 +12,7 @@ import grpo
 import ppo
 from arguments import _parser
 from batching import encode_prompts
-from checks import EXIT_CONFIG, entry
+from exits import EXIT_CONFIG, entry
 from conftest import ROOT
 from harness import default_run_dir
 

@@ -9,8 +9,8 @@ import socket
 import subprocess
 import time
 
-from checks import EXIT_CONFIG
 from conftest import ROOT, train_rows
+from exits import EXIT_CONFIG
 
 
 def run_sh(run_dir, *args, env=None):
@@ -60,7 +60,7 @@ def test_a_taken_master_port_exits_2_with_one_message(tmp_path):
 
 def test_bad_input_stops_the_ranks_started_beside_the_preflight(tmp_path):
     """torchrun starts beside the pre-flight; on bad input its ranks, still waiting for it
-    (checks.wait_for_preflight), are stopped: exit 2, the pre-flight's one message, no torchrun
+    (exits.wait_for_preflight), are stopped: exit 2, the pre-flight's one message, no torchrun
     summary, no run directory, and no rank left behind."""
     run_dir = tmp_path / "run"
     proc = run_sh(run_dir, "--max_steps", "1", "--loss_type", "sum")

@@ -8,7 +8,7 @@ import os
 import pytest
 
 import grpo
-from checks import EXIT_CONFIG, entry
+from exits import EXIT_CONFIG, entry
 from conftest import ROOT
 from tiny_models import build_family
 

@@ -165,10 +165,10 @@ def test_server_worker_killed_mid_sync(tiny_model, tmp_path):
 
 def test_unreachable_server_error():
     """One message naming the address and the log file, and the documented exit code."""
-    import checks
+    import exits
     from vllm_server import ServerError, VLLMServerGenerator
 
-    assert ServerError.exit_code == checks.EXIT_SERVER == 6
+    assert ServerError.exit_code == exits.EXIT_SERVER == 6
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerError, match=f"{url}.*unreachable.*its log: /x/vllm_server.log"):
         VLLMServerGenerator(url, log_file="/x/vllm_server.log", wait=0)

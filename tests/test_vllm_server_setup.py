@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from checks import RunError
 from conftest import ROOT
+from exits import RunError
 
 pytest.importorskip("vllm")
 

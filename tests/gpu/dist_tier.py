@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from gpu_tier import CUDA, DEVICE, bf16_peak_flops, sync  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from checks import exit_process  # noqa: E402
+from exits import exit_process  # noqa: E402
 from generation import attn_implementation_for, generate_hf, unwrap_for_generation  # noqa: E402
 from logprobs import model_logps  # noqa: E402
 from zero3_load import load_model  # noqa: E402
@@ -195,4 +195,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    exit_process(0)  # skip the interpreter's teardown, as the loops do (checks.exit_process)
+    exit_process(0)  # skip the interpreter's teardown, as the loops do (exits.exit_process)

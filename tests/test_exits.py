@@ -1,5 +1,6 @@
-"""How a training process ends: checks.entry_code maps every way out of main to one exit code, and
-checks.exit_process ends the process with it, output flushed, without the interpreter's teardown.
+"""How a training process ends (exits.py): exits.entry_code maps every way out of main to one exit
+code (out of memory names the phase), and exits.exit_process ends the process with it, output
+flushed, without the interpreter's teardown.
 (Whole runs that finish exit 0: every e2e test; bench/shutdown_stress.py repeats them under load.)
 """
 
@@ -10,9 +11,14 @@ import sys
 import time
 
 import pytest
+import torch
 
-from checks import EXIT_DIVERGED, RunError, entry_code
+import grpo
+import ppo
 from conftest import ROOT, run_sh
+from exits import EXIT_DIVERGED, EXIT_OOM, RunError, entry, entry_code
+from fit import OOM_HINTS
+from memory import MemoryLedger
 
 
 def ends_with(exc):
@@ -48,12 +54,33 @@ def test_entry_code_of_a_run_that_finished():
     assert entry_code(lambda argv: None) == 0
 
 
+def test_out_of_memory_names_the_phase_and_the_knob(capsys):
+    """A real allocation failure (the CPU allocator's, 128 TiB) inside a ledger phase."""
+
+    def main(argv):
+        ledger = MemoryLedger("cpu", OOM_HINTS)
+        with ledger.phase("update"):
+            torch.empty(2**45)
+
+    assert entry(main) == EXIT_OOM
+    err = capsys.readouterr().err
+    assert "out of memory in phase 'update'" in err and "--gradient_checkpointing True" in err, err
+    # every phase the loops record has its knob
+    for module in (grpo, ppo):
+        src = open(module.__file__).read()
+        phases = {p.split('"')[1] for p in src.split("phase(")[1:] if p.startswith('"')}
+        assert phases and phases <= set(OOM_HINTS), (
+            module.__name__,
+            phases - set(OOM_HINTS),
+        )
+
+
 def test_exit_process_flushes_and_skips_teardown(tmp_path):
     """The code comes out, buffered output is flushed, and no atexit handler or finaliser runs."""
     script = tmp_path / "ends.py"
     script.write_text(
         "import atexit, sys\n"
-        "from checks import exit_process\n"
+        "from exits import exit_process\n"
         "atexit.register(lambda: print('teardown ran'))\n"
         "sys.stdout.write('unflushed stdout')\n"
         "sys.stderr.write('unflushed stderr')\n"
@@ -68,16 +95,16 @@ def test_exit_process_flushes_and_skips_teardown(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 7
-    # (importing checks imports DeepSpeed, which may print its accelerator line first)
+    # (importing exits imports DeepSpeed, which may print its accelerator line first)
     assert proc.stdout.endswith("unflushed stdout") and proc.stderr.endswith("unflushed stderr")
     assert "teardown ran" not in proc.stdout
 
 
 def test_a_rank_begins_once_the_preflight_passed_and_ends_with_run_sh(tmp_path):
-    """checks.wait_for_preflight, as a rank started beside run.sh's pre-flight runs it: nothing
+    """exits.wait_for_preflight, as a rank started beside run.sh's pre-flight runs it: nothing
     begins until $PREFLIGHT_PASSED exists; a rank whose run.sh ($PREFLIGHT_PARENT) is gone ends
     with exit 1 and says nothing (run.sh gave the pre-flight's message)."""
-    code = "import checks; checks.wait_for_preflight(); print('began')"
+    code = "import exits; exits.wait_for_preflight(); print('began')"
     marker = tmp_path / "passed"
 
     def rank(parent):
