@@ -12,8 +12,8 @@ import grpo
 import ppo
 from arguments import _parser
 from batching import encode_prompts
-from exits import EXIT_CONFIG, entry
 from conftest import ROOT
+from exits import EXIT_CONFIG, entry
 from harness import default_run_dir
 
 TOKENIZER = os.path.join(ROOT, "..", "shared", "assets", "qwen2.5-tokenizer")

@@ -8,8 +8,8 @@ import os
 import pytest
 
 import grpo
-from exits import EXIT_CONFIG, entry
 from conftest import ROOT
+from exits import EXIT_CONFIG, entry
 from tiny_models import build_family
 
 TOKENIZER = os.path.join(ROOT, "..", "shared", "assets", "qwen2.5-tokenizer")
