@@ -279,8 +279,8 @@ def test_resume_without_a_checkpoint_or_with_another_config(env, capsys):
     assert fails(
         capsys,
         preflight(grpo.main, env, "--resume", "True"),
-        "--resume: no checkpoint under",
-        "run with --save_steps N first",
+        "--resume: no run to continue in",
+        "drop --resume True to start a run there",
     )
     base = [
         "--run_dir",
