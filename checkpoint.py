@@ -333,8 +333,10 @@ def no_checkpoint(ckpt_dir):
     )
 
 
-def check_new_run(run_dir, resume, overwrite):
-    """Pre-flight, before anything is written: a new run may not land on an earlier run's files."""
+def check_new_run(run_dir, resume, overwrite, evaluate=False):
+    """Pre-flight, before anything is written: a new run may not land on an earlier run's files.
+    evaluate (--max_steps 0): only another directory is offered, since it resumes nothing and
+    --overwrite would delete the run's final model, the one it may be asked to score."""
     if resume and overwrite:
         raise ResumeError(
             "--resume True and --overwrite True contradict each other: resume keeps the run "
@@ -343,6 +345,12 @@ def check_new_run(run_dir, resume, overwrite):
     found = [] if resume or overwrite else previous_run(run_dir)
     if not found:
         return
+    if evaluate:
+        raise ResumeError(
+            f"--run_dir {run_dir} already holds a run: {', '.join(found)}. --max_steps 0 writes "
+            "its score into a run directory of its own: give another (--run_dir, or RUN_DIR with "
+            "run.sh; run.sh's default is a new runs/<algo>-<time>)"
+        )
     # --resume True only where there is a checkpoint to continue from (check_resume's first test)
     resume = (
         "Continue it with --resume True (a larger --max_steps extends it), start"

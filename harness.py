@@ -248,7 +248,8 @@ def preflight(args, rank, world, models, say=print):
     the memory estimate and the fit (--memory_budget_gb, fit.py), then the DeepSpeed JSON with the
     fitted knobs and the resume. `models`: what the loop builds beside the policy (fit.py)."""
     check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
-    check_new_run(args.run_dir, args.resume, args.overwrite)  # before anything is written there
+    # before anything is written there
+    check_new_run(args.run_dir, args.resume, args.overwrite, evaluate=not args.max_steps)
     beside = [models.get(k, "") for k in ("reward_model", "env", "teacher")]
     found = check_inputs(args, rank, *beside)
     dtype = training_dtype(args.dtype)

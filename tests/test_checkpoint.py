@@ -351,6 +351,10 @@ def test_new_run_checks_in_the_preflight(tmp_path, monkeypatch, capsys, loop):
     assert preflight() == 2
     err = capsys.readouterr().err
     assert "It saved no checkpoint to continue from" in err and "--resume True" not in err, err
+    assert preflight("--max_steps", "0") == 2  # evaluation only: another directory, nothing else
+    err = capsys.readouterr().err
+    assert "--max_steps 0 writes its score into a run directory of its own" in err, err
+    assert "--resume True" not in err and "--overwrite" not in err, err
     assert preflight("--resume", "True") == 2
     err = capsys.readouterr().err
     assert "no checkpoint under" in err and "the run there saved none" in err, err
