@@ -327,9 +327,9 @@ def no_checkpoint(ckpt_dir):
         )
     return (
         f"--resume: no checkpoint under {ckpt_dir}: the run there saved none (--save_last False "
-        "and no --save_steps, or it stopped before its first save). Start it again with "
-        "--overwrite True (its metrics go) or in another --run_dir; a run saves its last step "
-        "unless --save_last False"
+        "and no --save_steps, or it stopped before its first save). Drop --resume True and start "
+        "it again with --overwrite True (its metrics go) or in another --run_dir; a run saves its "
+        "last step unless --save_last False"
     )
 
 

@@ -273,7 +273,13 @@ def preflight(args, rank, world, models, say=print):
         check_partitioned_loading([(flag, path) for flag, path in paths if path])
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
         config = checkpoint_config(args, world, found["eval_rows"])
-        check_resume(os.path.join(args.run_dir, "checkpoints"), config, MEMORY_KNOBS)
+        path = check_resume(os.path.join(args.run_dir, "checkpoints"), config, MEMORY_KNOBS)
+        saved = int(os.path.basename(path).removeprefix("step"))
+        if args.max_steps < saved:  # equal: a run stopped after its last save ends again
+            raise RunError(
+                f"--resume: {path} is at step {saved}, past --max_steps {args.max_steps}: pass "
+                f"--max_steps {saved} or more (more extends the run)"
+            )
     return Inputs(**found, dtype=dtype, ds_config=ds, knobs=knobs)
 
 

@@ -293,6 +293,12 @@ def test_resume_without_a_checkpoint_or_with_another_config(env, capsys):
     args = grpo.parse_args(base)  # what the checkpoint records: the arguments as given
     save_checkpoint({}, str(env / "run" / "checkpoints"), 2, run_config(args, 2))
     assert preflight(grpo.main, env, "--resume", "True") == 0
+    assert preflight(grpo.main, env, "--resume", "True", "--max_steps", 2) == 0  # ends it again
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--resume", "True", "--max_steps", 1),
+        "step2 is at step 2, past --max_steps 1: pass --max_steps 2 or more",
+    )
     # a memory knob may change on resume (the update does not depend on micro-batching) ...
     assert preflight(grpo.main, env, "--resume", "True", "--per_device_train_batch_size", "8") == 0
     # ... the algorithm and the world size may not
