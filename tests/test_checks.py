@@ -987,7 +987,8 @@ def test_data_the_tokenizer_cannot_read_is_refused(env, capsys, tiny_model):
         {"prompt": f"{a}{a}+{b}=", "answer": str(2 * a + b)} for a in range(4) for b in range(6)
     ]
     data = jsonl(env / "sums.jsonl", [json.dumps(r) for r in sums])
-    assert preflight(grpo.main, env, "--data", data) == 0  # "+" alone: 1 token in 5
+    # "+" alone: 1 token in 5 (4 of the 24 rows held out: no warning for the held-out share)
+    assert preflight(grpo.main, env, "--data", data, "--num_eval_prompts", 4) == 0
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "20% of the prompts' tokens" in err, err
     assert "'+'" in err, err
