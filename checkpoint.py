@@ -25,7 +25,9 @@ DeepSpeed does.
 
 A new run (no --resume) refuses a run_dir that already holds checkpoints or metrics (check_new_run):
 it would replace the old checkpoints and append a second history to metrics.jsonl. --overwrite True
-removes them first (clear_run).
+removes them first (clear_run). The loops also save the last step (--save_last, harness.Run), so a
+finished run continues with --resume True and a larger --max_steps; the messages offer --resume
+only where there is a checkpoint to continue from.
 
 Preemption (StopOnSignal): SIGTERM, what a job scheduler sends before it kills a job, or SIGINT
 (Ctrl-C) lets the step in progress finish, saves a checkpoint of it, and exits 5 (Stopped);
@@ -55,6 +57,7 @@ RESUME_MAY_CHANGE = (
     "max_steps",
     "save_steps",
     "save_total_limit",
+    "save_last",
     "eval_steps",
     "report_to",
     "resume",
@@ -210,9 +213,7 @@ def check_resume(ckpt_dir, config, may_change=()):
             f"dir there (found: {found}); write the name of a complete one into it"
         )
     if path is None:
-        raise ResumeError(
-            f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first"
-        )
+        raise ResumeError(no_checkpoint(ckpt_dir))
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ResumeError(
@@ -286,9 +287,7 @@ def load_checkpoint(engines, ckpt_dir):
     training resumes."""
     path = latest_checkpoint(ckpt_dir)
     if path is None:
-        raise ResumeError(
-            f"--resume: no checkpoint under {ckpt_dir}; run with --save_steps N first"
-        )
+        raise ResumeError(no_checkpoint(ckpt_dir))
     steps = set()
     for name, engine in engines.items():
         loaded, client = engine.load_checkpoint(path, tag=name)
@@ -317,20 +316,51 @@ def previous_run(run_dir):
     return found
 
 
-def check_new_run(run_dir, resume, overwrite):
-    """Pre-flight, before anything is written: a new run may not land on an earlier run's files."""
+def no_checkpoint(ckpt_dir):
+    """Why --resume finds nothing to continue from, and what to run instead: never a flag that the
+    next message refuses (a new run in a run_dir holding metrics is refused: check_new_run)."""
+    run_dir = os.path.dirname(ckpt_dir)
+    if not previous_run(run_dir):
+        return (
+            f"--resume: no run to continue in {run_dir or '.'} (no checkpoints, no metrics): "
+            "check --run_dir (RUN_DIR with run.sh), or drop --resume True to start a run there"
+        )
+    return (
+        f"--resume: no checkpoint under {ckpt_dir}: the run there saved none (--save_last False "
+        "and no --save_steps, or it stopped before its first save). Drop --resume True and start "
+        "it again with --overwrite True (its metrics go) or in another --run_dir; a run saves its "
+        "last step unless --save_last False"
+    )
+
+
+def check_new_run(run_dir, resume, overwrite, evaluate=False):
+    """Pre-flight, before anything is written: a new run may not land on an earlier run's files.
+    evaluate (--max_steps 0): only another directory is offered, since it resumes nothing and
+    --overwrite would delete the run's final model, the one it may be asked to score."""
     if resume and overwrite:
         raise ResumeError(
             "--resume True and --overwrite True contradict each other: resume keeps the run "
             "directory's checkpoints and metrics, overwrite deletes them; pass one"
         )
     found = [] if resume or overwrite else previous_run(run_dir)
-    if found:
+    if not found:
+        return
+    if evaluate:
         raise ResumeError(
-            f"--run_dir {run_dir} already holds a run: {', '.join(found)}. Continue it with "
-            f"--resume True, start in another directory (--run_dir, or RUN_DIR with run.sh), "
-            f"or replace it with --overwrite True"
+            f"--run_dir {run_dir} already holds a run: {', '.join(found)}. --max_steps 0 writes "
+            "its score into a run directory of its own: give another (--run_dir, or RUN_DIR with "
+            "run.sh; run.sh's default is a new runs/<algo>-<time>)"
         )
+    # --resume True only where there is a checkpoint to continue from (check_resume's first test)
+    resume = (
+        "Continue it with --resume True (a larger --max_steps extends it), start"
+        if latest_checkpoint(os.path.join(run_dir, "checkpoints"))
+        else "It saved no checkpoint to continue from: start"
+    )
+    raise ResumeError(
+        f"--run_dir {run_dir} already holds a run: {', '.join(found)}. {resume} in another "
+        f"directory (--run_dir, or RUN_DIR with run.sh), or replace it with --overwrite True"
+    )
 
 
 def clear_run(run_dir):

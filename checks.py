@@ -20,7 +20,7 @@ import sys
 import torch
 
 from batching import encode_prompts, stop_token_ids, template_kwargs
-from data import row_name, shuffled_rows, size_problem
+from data import eval_count, held_out_warning, row_name, shuffled_rows, size_problem
 from exits import RunError
 from tasks import TASK_CHARS, reward_functions, score_completions, task_model
 from zero3_load import checkpoint_files, local_dir
@@ -34,11 +34,11 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     tokenizer), the model (the built-in task's is built here by rank 0) and its weights, its
     tokenizer (eos and pad tokens); then what is wrong with the rows, all in one message
     (check_data): training rows left, the answers the rewards read, the chat template on every
-    prompt, tokens the tokenizer cannot read (unknown_tokens); warnings for a few unknown tokens
-    and long prompts; last the reward functions on real prompts (as conversations with an `env`,
-    grpo.py's multi-turn rollouts). Reads args, writes nothing on it. Returns {train_rows,
-    eval_rows, model_path, config, tokenizer, stop_ids (batching.stop_token_ids), template_kwargs
-    (the parsed JSON), funcs, weights}."""
+    prompt, tokens the tokenizer cannot read (unknown_tokens); warnings for a large held-out share,
+    a few unknown tokens and long prompts; last the reward functions on real prompts (as
+    conversations with an `env`, grpo.py's multi-turn rollouts). Reads args, writes nothing on
+    it. Returns {train_rows, eval_rows, model_path, config, tokenizer, stop_ids
+    (batching.stop_token_ids), template_kwargs (the parsed JSON), funcs, weights}."""
     read_ds_json(args.ds_config)
     try:
         kwargs = template_kwargs(args.chat_template_kwargs)
@@ -57,9 +57,10 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
         )
     except ValueError as e:
         raise RunError(str(e)) from None
-    train_rows, eval_rows = rows[args.num_eval_prompts :], rows[: args.num_eval_prompts]
+    n_eval = eval_count(args.num_eval_prompts, len(rows))  # -1: a fifth of the rows, <= 200
+    train_rows, eval_rows = rows[n_eval:], rows[:n_eval]
     # what is wrong with the rows, reported together once the tokenizer has read them too
-    problems = [size_problem(args.data, rows, args.num_eval_prompts)]
+    problems = [size_problem(args.data, rows, n_eval, train=args.max_steps > 0)]
     problems.append(answer_problem(funcs, rows, args.data, args.answer_field))
     # no --model: a tiny one from scratch
     model_path = task_model(args.model, args.run_dir, rank, args.seed)
@@ -80,13 +81,14 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     unknown, unread = unknown_tokens(tokenizer, rows, args, model_path)
     problems.append(unknown)
     check_data(problems)
-    for warning in (unread, long_prompt_warning(lengths, args.max_prompt_length)):
+    held = held_out_warning(n_eval, len(rows), train=args.max_steps > 0)
+    for warning in (held, unread, long_prompt_warning(lengths, args.max_prompt_length)):
         if warning and rank == 0:
             print(warning, file=sys.stderr)
     if funcs:
         # the first prompts, and the first row with no answer (a function may fail on answer None)
-        rest = train_rows[2:] + eval_rows
-        probe = train_rows[:2] + [r for r in rest if r.get("answer") is None][:1]
+        ordered = train_rows + eval_rows  # --max_steps 0 may hold every row out
+        probe = ordered[:2] + [r for r in ordered[2:] if r.get("answer") is None][:1]
         hint = ""
         if any(r.get("answer") is None for r in probe):
             where = answerless_row(args.data, train_rows + eval_rows)

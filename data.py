@@ -6,6 +6,7 @@ conversation), the held-out split, and the order the rows are seen in.
     rows = shuffled_rows("math.jsonl", seed=0)   # the same rows, unsplit; size_problem: too few
     load_data("openai/gsm8k", 200, 0, split="train", prompt_field="question", config="main")
     rows = batch_rows(train_rows, step, n=64, seed=0)   # step -> prompts, the same on resume
+    eval_count(-1, len(rows))          # --num_eval_prompts' default: a fifth of the rows, <= 200
 
 `--data` is a JSONL, JSON, CSV or parquet file, a directory written by `datasets`' save_to_disk,
 another directory of data files, or a hub id (already in the local cache on an offline machine),
@@ -166,6 +167,7 @@ def load_data(
     """(train rows, num_eval held-out rows): --data after a seeded shuffle, or the built-in task
     when data is empty; too few rows for both is a ValueError (size_problem)."""
     rows = shuffled_rows(data, seed, split, prompt_field, answer_field, config)
+    num_eval = eval_count(num_eval, len(rows))
     problem = size_problem(data, rows, num_eval)
     if problem:
         raise ValueError(problem)
@@ -184,14 +186,50 @@ def shuffled_rows(
     return rows
 
 
-def size_problem(data, rows, num_eval):
-    """None, or why `rows` leave no training prompts once num_eval are held out."""
+# --num_eval_prompts -1 (the default): a fifth of the rows, at most this many. The built-in task's
+# 1000 rows and any data set of 1000 rows or more: 200 held out, as when 200 was the default.
+EVAL_DEFAULT_MAX = 200
+
+
+def eval_count(num_eval, n_rows):
+    """The held-out rows --num_eval_prompts means: as given, or for -1 a fifth of n_rows, at most
+    EVAL_DEFAULT_MAX (so a small data set keeps most of its rows to train on)."""
+    return min(EVAL_DEFAULT_MAX, n_rows // 5) if num_eval < 0 else num_eval
+
+
+def size_problem(data, rows, num_eval, train=True):
+    """None, or why `rows` leave no training prompts once num_eval are held out; train False
+    (--max_steps 0, evaluation only): why they do not hold num_eval held-out prompts."""
+    source = f"--data {data}" if data else "the built-in task"
+    if not train:
+        if num_eval == 0:
+            return (
+                f"--max_steps 0 evaluates on held-out prompts, and {source}'s {len(rows)} rows "
+                "leave none by default (a fifth of them): pass --num_eval_prompts N"
+            )
+        if len(rows) >= num_eval:
+            return None
+        return (
+            f"{source} has {len(rows)} rows, fewer than --num_eval_prompts {num_eval} to "
+            f"evaluate on: pass --num_eval_prompts {len(rows)} (every row) or fewer"
+        )
     if len(rows) > num_eval:
         return None
-    source = f"--data {data}" if data else "the built-in task"
     return (
         f"{source} has {len(rows)} rows, not more than --num_eval_prompts {num_eval} (held out "
         "for evaluation; training takes the rest): lower it (0: no evaluation) or add rows"
+    )
+
+
+def held_out_warning(num_eval, n_rows, train=True):
+    """None, or a line saying that num_eval held-out rows leave few of n_rows to train on (more
+    than a quarter held out); said before training."""
+    if not train or num_eval * 4 <= n_rows or num_eval >= n_rows:
+        return None
+    return (
+        f"warning: --num_eval_prompts {num_eval} holds out {num_eval} of {n_rows} rows "
+        f"({100 * num_eval / n_rows:.0f}%) for evaluation; training takes the other "
+        f"{n_rows - num_eval}. Without the flag a fifth is held out (at most {EVAL_DEFAULT_MAX})"
     )
 
 

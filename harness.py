@@ -11,6 +11,7 @@ glue, held-out evaluation given a sampling function, and `Run`, this rank's run 
         ...rollout, log-probs, advantages, update: the loop's own...
         run.end_step(row, loss=..., grad_norm=..., line=...)   # log, adapt, evaluate, save or stop
     run.finish(panels)                                 # held-out score, memory, final model
+    # --max_steps 0: steps() yields nothing and finish() scores the model as given, saving nothing
 
 `Run` owns no step order (no train(), no hooks): the loop's body is the algorithm. Derived state
 lives here, never on `args`: `run.stop_ids`, `run.template_kwargs`, `run.funcs` / `run.weights`
@@ -20,9 +21,11 @@ The pre-flight is one pass: every input checked, then the memory estimate and th
 DeepSpeed config and the resume check. run.sh runs it in one process first (`--preflight True`).
 """
 
+import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -146,12 +149,20 @@ class RunArgs:
         "auto", "auto (bf16 on a GPU with bf16, else fp32), bf16 or fp32", ("auto", "bf16", "fp32")
     )
     pad_token: str = arg("", "a pad token for a tokenizer without one (its eos token is fine)")
-    max_steps: int = arg(100, "training steps (one rollout batch each)", ">= 1")
+    max_steps: int = arg(
+        100, "training steps (one rollout batch each); 0: evaluate the model as given", ">= 0"
+    )
     # evaluation, logging, saving
     eval_steps: int = arg(25, "held-out reward every this many steps (and at start/end)", ">= 0")
-    num_eval_prompts: int = arg(200, "held-out prompts; 0: no eval", ">= 0")
+    num_eval_prompts: int = arg(
+        -1, "held-out prompts; -1: a fifth of the rows, at most 200; 0: no eval", ">= -1"
+    )
     eval_samples: int = arg(1, "k samples per held-out prompt; > 1: eval/pass@1, pass@k", ">= 1")
     save_steps: int = arg(0, "DeepSpeed checkpoint every this many steps; 0: none", ">= 0")
+    save_last: bool = arg(
+        True,
+        "checkpoint the last step too: --resume True with a larger --max_steps extends the run",
+    )
     save_total_limit: int = arg(0, "keep only this many newest checkpoints; 0: all", ">= 0")
     resume: bool = arg(False, "continue from the latest checkpoint in run_dir (checkpoint.py)")
     overwrite: bool = arg(False, "delete an earlier run's checkpoints and metrics in run_dir")
@@ -176,6 +187,16 @@ def parse(args_class, recipes, argv=None):
     if args.use_vllm and args.gather_for_generation is False:
         raise RunError(
             "--gather_for_generation False applies to HF generation; drop it with --use_vllm"
+        )
+    if args.max_steps == 0 and args.resume:
+        raise RunError(
+            "--max_steps 0 evaluates a model as given, in a run directory of its own: to score a "
+            "run's last weights, drop --resume True and pass --model <that run_dir>/final"
+        )
+    if args.max_steps == 0 and args.num_eval_prompts == 0:
+        raise RunError(
+            "--max_steps 0 evaluates the model on the held-out prompts, and --num_eval_prompts 0 "
+            "holds out none: pass --num_eval_prompts N (without it: a fifth of the rows, <= 200)"
         )
     if args.lora_r:
         try:
@@ -234,7 +255,8 @@ def preflight(args, rank, world, models, say=print):
     the memory estimate and the fit (--memory_budget_gb, fit.py), then the DeepSpeed JSON with the
     fitted knobs and the resume. `models`: what the loop builds beside the policy (fit.py)."""
     check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
-    check_new_run(args.run_dir, args.resume, args.overwrite)  # before anything is written there
+    # before anything is written there
+    check_new_run(args.run_dir, args.resume, args.overwrite, evaluate=not args.max_steps)
     beside = [models.get(k, "") for k in ("reward_model", "env", "teacher")]
     found = check_inputs(args, rank, *beside)
     dtype = training_dtype(args.dtype)
@@ -257,19 +279,53 @@ def preflight(args, rank, world, models, say=print):
         paths.append(("--teacher_model", models.get("teacher")))
         check_partitioned_loading([(flag, path) for flag, path in paths if path])
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
-        check_resume(
-            os.path.join(args.run_dir, "checkpoints"), run_config(args, world), MEMORY_KNOBS
-        )
+        config = checkpoint_config(args, world, found["eval_rows"])
+        path = check_resume(os.path.join(args.run_dir, "checkpoints"), config, MEMORY_KNOBS)
+        saved = int(os.path.basename(path).removeprefix("step"))
+        if args.max_steps < saved:  # equal: a run stopped after its last save ends again
+            raise RunError(
+                f"--resume: {path} is at step {saved}, past --max_steps {args.max_steps}: pass "
+                f"--max_steps {saved} or more (more extends the run)"
+            )
     return Inputs(**found, dtype=dtype, ds_config=ds, knobs=knobs)
+
+
+def checkpoint_config(args, world, eval_rows):
+    """checkpoint.run_config with --num_eval_prompts as the count it came to (-1, the default, is a
+    fifth of the rows): the held-out split, and so the training rows, a resume must match."""
+    return {**run_config(args, world), "num_eval_prompts": len(eval_rows)}
+
+
+@contextlib.contextmanager
+def nothing_left_if_refused(run_dir):
+    """A refused run creates nothing: on any exception, the outermost directory of run_dir that
+    did not exist before is removed (the pre-flight builds the built-in task's model in
+    run_dir/model), or else run_dir/model when only it is new. One process only: another rank may
+    still be reading the model."""
+    top, path = None, os.path.abspath(run_dir)
+    while not os.path.exists(path):
+        top, path = path, os.path.dirname(path)
+    model = os.path.join(run_dir, "model")
+    new_model = not os.path.exists(model)
+    try:
+        yield
+    except BaseException:
+        if top is not None:
+            shutil.rmtree(top, ignore_errors=True)
+        elif new_model:
+            shutil.rmtree(model, ignore_errors=True)
+        raise
 
 
 def before_torchrun(args, models):
     """--estimate_memory (the per-phase table) or --preflight (the checks): one process, no group,
-    no weights; run.sh runs these before any rank begins."""
+    no weights; run.sh runs these before any rank begins. A refusal leaves nothing behind."""
     if args.estimate_memory:
         return estimate_run_memory(args, models)
     args.run_dir = args.run_dir or default_run_dir(args)
-    inputs = preflight(args, rank=0, world=int(os.environ.get("WORLD_SIZE", 1)), models=models)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    with nothing_left_if_refused(args.run_dir):
+        inputs = preflight(args, rank=0, world=world, models=models)
     if args.use_vllm and args.vllm_mode == "server":  # what run.sh starts the server with
         write_server_settings(args, inputs.config, inputs.dtype)
     print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
@@ -299,7 +355,11 @@ class Run:
             dist.broadcast_object_list(named, src=0)
             args.run_dir = named[0]
         self.say = print if self.rank == 0 else (lambda *a, **k: None)
-        inputs = preflight(args, self.rank, self.world, models, self.say)
+        if self.world == 1:  # one process: a refusal leaves nothing behind (run.sh's pre-flight)
+            with nothing_left_if_refused(args.run_dir):
+                inputs = preflight(args, self.rank, self.world, models, self.say)
+        else:
+            inputs = preflight(args, self.rank, self.world, models, self.say)
         self.__dict__.update(vars(inputs))
         os.makedirs(args.run_dir, exist_ok=True)  # the pre-flight wrote nothing (a built-in model)
         if args.overwrite and self.rank == 0:
@@ -423,7 +483,8 @@ class Run:
         self.engines, self.vllm, self.policy = engines, vllm, next(iter(engines.values()))
         self.script = os.path.splitext(os.path.basename(script))[0]
         self.eval_sample, self.sync_for_eval = eval_sample, sync_for_eval
-        self.ckpt_dir, self.ckpt_config, self.start_step = ckpt_dir, run_config(a, self.world), 0
+        self.ckpt_dir, self.start_step = ckpt_dir, 0
+        self.ckpt_config = checkpoint_config(a, self.world, self.eval_rows)
         if a.resume:  # every engine's state (model, optimizer, LR schedule) and the step
             self.start_step = load_checkpoint(engines, ckpt_dir)
             self.say(f"resumed from {latest_checkpoint(ckpt_dir)} at step {self.start_step}")
@@ -448,7 +509,8 @@ class Run:
         self.guard = StepGuard(a.max_bad_steps)  # non-finite steps: counted, a streak stops
         self.adapter = KnobAdapter(a, self.knobs)  # --memory_budget_gb: between steps
         self.t_start, self.first_eval = time.time(), float("nan")
-        if a.num_eval_prompts and not a.resume:  # on resume it is in metrics.jsonl already
+        # on resume it is in metrics.jsonl already; --max_steps 0: finish() scores the model once
+        if self.eval_rows and not a.resume and a.max_steps:
             self.first_eval = self.held_out(self.start_step, f"step {self.start_step}")
 
     def steps(self):
@@ -499,7 +561,8 @@ class Run:
         if a.eval_steps and self.eval_rows and step % a.eval_steps == 0 and step < a.max_steps:
             self.held_out(step, f"step {step}")
         saved = None
-        if a.save_steps and step % a.save_steps == 0:  # after this step's rows: none twice
+        # after this step's rows, none twice; the last step's: what --resume True extends
+        if a.save_steps and step % a.save_steps == 0 or a.save_last and step == a.max_steps:
             saved = self.save(step)
         if signum := self.stop.requested():  # SIGTERM or Ctrl-C on any rank: keep this step, stop
             saved = saved or self.save(step)
@@ -550,9 +613,13 @@ class Run:
     def finish(self, panels, save=None):
         """After the last step: the held-out score, the memory summary, the final model
         (save(path); default: the policy's full weights, merged with LoRA), curves.png; then the
-        process group closes."""
+        process group closes. --max_steps 0: the held-out score of the model as given, no final
+        model."""
         a = self.args
-        if a.num_eval_prompts:
+        if not a.max_steps:  # evaluation only: the model as given, no checkpoint, no final model
+            self.held_out(0, f"step 0, {self.model_path} as given (--max_steps 0)")
+            self.say(f"--max_steps 0: evaluated in {time.time() - self.t_start:.0f}s; no training")
+        elif self.eval_rows:
             last = self.held_out(a.max_steps, "end")
             since = (
                 f"resumed at step {self.start_step}" if a.resume else f"start {self.first_eval:.3f}"
@@ -561,16 +628,17 @@ class Run:
                 f"held-out reward: {since} -> end {last:.3f} in "
                 f"{time.time() - self.t_start:.0f}s ({a.max_steps - self.start_step} steps)"
             )
-        mem = self.ledger.summary()  # rank 0's peaks; the highest phase: where to look first
-        self.say(mem["text"])
-        self.log.record(
-            {
-                "step": a.max_steps,
-                "mem/highest_phase": mem["highest"],
-                **{f"mem/run_peak/{k}": v for k, v in mem["peak_gb"].items()},
-            }
-        )
-        if a.save_model:
+        if a.max_steps:
+            mem = self.ledger.summary()  # rank 0's peaks; the highest phase: where to look first
+            self.say(mem["text"])
+            self.log.record(
+                {
+                    "step": a.max_steps,
+                    "mem/highest_phase": mem["highest"],
+                    **{f"mem/run_peak/{k}": v for k, v in mem["peak_gb"].items()},
+                }
+            )
+        if a.save_model and a.max_steps:
             final = os.path.join(a.run_dir, "final")
             (save or (lambda path: save_hf(self.policy, self.tokenizer, path)))(final)
         self.log.close(panels=panels)

@@ -215,7 +215,9 @@ class Args(harness.RunArgs):
         ">= 1",
         aliases="--micro_train_batch_size",
     )
-    max_steps: int = arg(60, "training steps (one rollout batch each)", ">= 1")
+    max_steps: int = arg(
+        60, "training steps (one rollout batch each); 0: evaluate the model as given", ">= 0"
+    )
     eval_steps: int = arg(20, "held-out reward every this many steps (and at start/end)", ">= 0")
 
 

@@ -40,9 +40,7 @@ CONFIG = {
 # ---- plain files, one process (engines={}: only the layout, latest, pruning and config.json) ---
 def test_check_resume_missing_matching_and_differing(tmp_path):
     ckpt = str(tmp_path / "checkpoints")
-    with pytest.raises(
-        ValueError, match=r"no checkpoint under .*checkpoints; run with --save_steps N first"
-    ):
+    with pytest.raises(ValueError, match=r"no run to continue in .* drop --resume True to start"):
         check_resume(ckpt, CONFIG)
     save_checkpoint({}, ckpt, 2, CONFIG)
     # no engines
@@ -296,6 +294,7 @@ def test_a_new_run_never_lands_on_an_old_one(tmp_path, full):
     assert (run_dir / "metrics.jsonl").read_text() == before
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["latest", "step4", "step6"]
     assert phase.read_text() == "update\tlower --per_device_train_batch_size\n"
+    assert "a larger --max_steps extends it" in out, out  # it has a checkpoint to continue from
 
     conftest.run_sh(
         "grpo", *GRPO, "--overwrite", "True", "--max_steps", "1", env={"RUN_DIR": str(run_dir)}
@@ -304,7 +303,8 @@ def test_a_new_run_never_lands_on_an_old_one(tmp_path, full):
     assert [r["step"] for r in train_rows(run_dir)] == [1] and rows[0] == {"step": 0, **rows[0]}
     # at the start and at the end of this run only
     assert sum("eval/reward" in r for r in rows) == 2
-    assert not (run_dir / "checkpoints").exists()  # the old run's are gone, this one saved none
+    # the old run's are gone; this one saved its last step (--save_last True, the default)
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["latest", "step1"]
 
 
 @pytest.mark.parametrize("loop", ["grpo", "ppo"])
@@ -346,6 +346,23 @@ def test_new_run_checks_in_the_preflight(tmp_path, monkeypatch, capsys, loop):
     assert preflight("--overwrite", "True") == 0
     assert preflight("--overwrite", "True", "--resume", "True") == 2
     assert "contradict each other" in capsys.readouterr().err
+    # metrics and no checkpoint (--save_last False, or stopped before its first save): neither
+    # message offers --resume True, which would be refused; each names what does work
+    assert preflight() == 2
+    err = capsys.readouterr().err
+    assert "It saved no checkpoint to continue from" in err and "--resume True" not in err, err
+    assert preflight("--max_steps", "0") == 2  # evaluation only: another directory, nothing else
+    err = capsys.readouterr().err
+    assert "--max_steps 0 writes its score into a run directory of its own" in err, err
+    assert "--resume True" not in err and "--overwrite" not in err, err
+    assert preflight("--resume", "True") == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint under" in err and "the run there saved none" in err, err
+    assert "--overwrite True" in err and "--save_steps N first" not in err, err
+    assert preflight("--run_dir", str(tmp_path / "nothing"), "--resume", "True") == 2
+    err = capsys.readouterr().err
+    assert "no run to continue in" in err and "drop --resume True" in err, err
+    assert not (tmp_path / "nothing").exists()  # a refused run creates nothing
 
 
 def test_run_dir_keeps_every_imported_source_and_the_git_state(tmp_path):

@@ -278,8 +278,8 @@ def test_resume_without_a_checkpoint_or_with_another_config(env, capsys):
     assert fails(
         capsys,
         preflight(grpo.main, env, "--resume", "True"),
-        "--resume: no checkpoint under",
-        "run with --save_steps N first",
+        "--resume: no run to continue in",
+        "drop --resume True to start a run there",
     )
     base = [
         "--run_dir",
@@ -292,6 +292,12 @@ def test_resume_without_a_checkpoint_or_with_another_config(env, capsys):
     args = grpo.parse_args(base)  # what the checkpoint records: the arguments as given
     save_checkpoint({}, str(env / "run" / "checkpoints"), 2, run_config(args, 2))
     assert preflight(grpo.main, env, "--resume", "True") == 0
+    assert preflight(grpo.main, env, "--resume", "True", "--max_steps", 2) == 0  # ends it again
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--resume", "True", "--max_steps", 1),
+        "step2 is at step 2, past --max_steps 1: pass --max_steps 2 or more",
+    )
     # a memory knob may change on resume (the update does not depend on micro-batching) ...
     assert preflight(grpo.main, env, "--resume", "True", "--per_device_train_batch_size", "8") == 0
     # ... the algorithm and the world size may not
@@ -726,6 +732,12 @@ def test_run_sh_stops_bad_input_before_any_rank_begins(tmp_path):
     assert out.count("error:") == 1 and 'bad.jsonl line 1 has no string "prompt"' in out, out
     assert "ChildFailedError" not in out and "Traceback" not in out, out
     assert not (tmp_path / "run").exists()
+    # refused after the pre-flight built the built-in task's model there: removed with the dir
+    proc = run_sh("ppo", "--num_eval_prompts", "1000", env={"RUN_DIR": str(tmp_path / "a" / "b")},
+                  wait=False)  # fmt: skip
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_CONFIG and "has 1000 rows, not more than" in out, out
+    assert not (tmp_path / "a").exists()
 
 
 def test_torchrun_every_rank_stops_with_one_message(tmp_path):
@@ -927,7 +939,8 @@ def test_data_the_tokenizer_cannot_read_is_refused(env, capsys, tiny_model):
         {"prompt": f"{a}{a}+{b}=", "answer": str(2 * a + b)} for a in range(4) for b in range(6)
     ]
     data = jsonl(env / "sums.jsonl", [json.dumps(r) for r in sums])
-    assert preflight(grpo.main, env, "--data", data) == 0  # "+" alone: 1 token in 5
+    # "+" alone: 1 token in 5 (4 of the 24 rows held out: no warning for the held-out share)
+    assert preflight(grpo.main, env, "--data", data, "--num_eval_prompts", 4) == 0
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "20% of the prompts' tokens" in err, err
     assert "'+'" in err, err
@@ -957,3 +970,77 @@ def test_every_data_problem_is_named_in_one_message(env, capsys):
         "line 1 (prompt '1=') has no \"answer\"",
         "not more than --num_eval_prompts 200",
     )
+
+
+@LOOPS
+def test_evaluation_only_is_refused_with_nothing_to_score_or_a_resume(env, capsys, loop):
+    """--max_steps 0 evaluates the model as given: with no held-out prompt, or with --resume True
+    (a run of its own; a run's weights are its final/), one message saying what to pass."""
+    assert fails(
+        capsys,
+        preflight(loop.main, env, "--max_steps", 0, "--num_eval_prompts", 0),
+        "--max_steps 0 evaluates the model on the held-out prompts",
+        "pass --num_eval_prompts N",
+    )
+    assert fails(
+        capsys,
+        preflight(loop.main, env, "--max_steps", 0, "--resume", "True"),
+        "drop --resume True and pass --model <that run_dir>/final",
+    )
+    rows = [json.dumps({"prompt": f"{i}=", "answer": str(i)}) for i in range(4)]
+    data = jsonl(env / "four.jsonl", rows)  # a fifth of 4 rows: none held out by default
+    assert fails(
+        capsys,
+        entry(loop.main, ["--preflight", "True", "--run_dir", str(env / "run"), "--data", data,
+                          "--max_steps", "0", "--ds_config", os.path.join(ROOT, "configs",
+                                                                          "zero3.json")]),
+        "--max_steps 0 evaluates on held-out prompts",
+        "pass --num_eval_prompts N",
+    )  # fmt: skip
+    assert preflight(loop.main, env, "--max_steps", 0, "--data", data, "--num_eval_prompts", 4) == 0
+
+
+def test_the_default_held_out_share_and_a_large_one_said_before_training(env, capsys):
+    """Without --num_eval_prompts: a fifth of 300 rows held out (60, no warning), and on the
+    built-in task 200 of its 1000 rows, the same split as the old default's; 200 of 300 given:
+    said before training, with the rows held out and the rows left."""
+    import harness
+    from tasks import default_task
+
+    rows = [{"prompt": f"{i:03d}=", "answer": max(f"{i:03d}")} for i in range(300)]
+    data = jsonl(env / "d.jsonl", [json.dumps(r) for r in rows])
+    base = [
+        "--run_dir",
+        str(env / "run"),
+        "--ds_config",
+        os.path.join(ROOT, "configs", "zero3.json"),
+    ]
+
+    def split(*argv):
+        args = grpo.parse_args([*base, *argv])
+        inputs = harness.preflight(args, 0, 2, grpo.memory_models(args))
+        return inputs.train_rows, inputs.eval_rows
+
+    train, held = split("--data", data)
+    assert (len(train), len(held)) == (240, 60)
+    assert split() == default_task(200, 0)  # the built-in task: as before
+    assert "warning: --num_eval_prompts" not in capsys.readouterr().err
+    train, held = split("--data", data, "--num_eval_prompts", "200")
+    assert (len(train), len(held)) == (100, 200)
+    err = capsys.readouterr().err
+    assert "--num_eval_prompts 200 holds out 200 of 300 rows (67%) for evaluation; training " in err
+    assert "takes the other 100" in err
+
+
+def test_a_refused_run_creates_nothing(env, capsys):
+    """Refused after the pre-flight built the built-in task's model in run_dir/model: the run dir
+    it created is removed (an empty one that was there stays, without the model)."""
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, "--num_eval_prompts", 1000, "--run_dir", env / "new" / "run"),
+        "the built-in task has 1000 rows, not more than --num_eval_prompts 1000",
+    )
+    assert not (env / "new").exists()
+    (env / "run").mkdir()
+    assert fails(capsys, preflight(ppo.main, env, "--num_eval_prompts", 1000), "1000 rows")
+    assert os.listdir(env / "run") == []

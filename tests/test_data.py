@@ -7,7 +7,14 @@ import random
 import datasets
 import pytest
 
-from data import load_data, load_rows, shuffled_rows, size_problem
+from data import (
+    eval_count,
+    held_out_warning,
+    load_data,
+    load_rows,
+    shuffled_rows,
+    size_problem,
+)
 from tasks import default_task
 
 ROWS = [{"question": f"{i} + {i} = ?", "solution": f"n{2 * i}"} for i in range(12)]
@@ -75,6 +82,32 @@ def test_too_few_rows_for_the_held_out_prompts():
         assert "lower it (0: no evaluation)" in message
     with pytest.raises(ValueError, match="the built-in task has 1000 rows, not more than"):
         load_data("", 1000, 0)
+
+
+def test_the_default_held_out_share_leaves_most_rows_to_train_on():
+    """--num_eval_prompts -1 (the default): a fifth of the rows, at most 200 (the built-in task's
+    1000 rows: 200, the old default, so its default runs are unchanged); a value given is kept.
+    A large share given is said before training, with the rows held out and the rows left."""
+    assert [eval_count(-1, n) for n in (1000, 7473, 300, 12, 4)] == [200, 200, 60, 2, 0]
+    assert [eval_count(n, 300) for n in (0, 16, 200)] == [0, 16, 200]
+    train, held = load_data("", -1, 0)
+    assert (len(train), len(held)) == (800, 200) and (train, held) == default_task(200, 0)
+    assert held_out_warning(200, 300) == (
+        "warning: --num_eval_prompts 200 holds out 200 of 300 rows (67%) for evaluation; "
+        "training takes the other 100. Without the flag a fifth is held out (at most 200)"
+    )
+    for n_eval, n_rows in ((60, 300), (75, 300), (200, 1000), (16, 1000)):
+        assert held_out_warning(n_eval, n_rows) is None, (n_eval, n_rows)
+    assert held_out_warning(76, 300) is not None
+    assert held_out_warning(200, 300, train=False) is None  # --max_steps 0: nothing trains
+    # --max_steps 0 (train=False): every row may be held out, not more; none is refused
+    assert size_problem("d.jsonl", ROWS, 12, train=False) is None
+    assert "has 12 rows, fewer than --num_eval_prompts 13 to evaluate on: pass " in size_problem(
+        "d.jsonl", ROWS, 13, train=False
+    )
+    assert "leave none by default (a fifth of them): pass --num_eval_prompts N" in size_problem(
+        "d.jsonl", ROWS[:4], 0, train=False
+    )
 
 
 CONVERSATION = [

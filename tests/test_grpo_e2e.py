@@ -50,6 +50,7 @@ def test_zero3_hf_outputs_and_checkpoint(tmp_path):
         "checkpoints/latest",
         "checkpoints/step2/config.json",
         "checkpoints/step2/policy",
+        "checkpoints/step3/policy",  # the last step's (--save_last True, the default)
     ):
         assert (a / name).exists(), name
     assert json.load(open(a / "args.json"))["ds_config_resolved"]["zero_optimization"]["stage"] == 3

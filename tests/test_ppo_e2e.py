@@ -53,6 +53,7 @@ def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
         "checkpoints/step2/actor",
         "checkpoints/step2/critic",
         "checkpoints/step2/config.json",
+        "checkpoints/step3/actor",  # the last step's (--save_last True, the default)
     ):
         assert (a / name).exists(), name
     assert json.load(open(a / "args.json"))["ds_config_resolved"]["zero_optimization"]["stage"] == 3
@@ -71,6 +72,7 @@ def test_zero3_rule_reward_checkpoint_and_resume(tmp_path):
     b.mkdir()
     shutil.copytree(a / "model", b / "model")
     shutil.copytree(a / "checkpoints", b / "checkpoints")
+    (b / "checkpoints" / "latest").write_text("step2")  # not the last step's, step3
     out = run_sh(
         "--max_steps", "3", "--resume", "True", "--save_model", "False", env={"RUN_DIR": str(b)}
     )
