@@ -34,24 +34,37 @@ from tasks import default_task
 PAIR_SHAPE = 'each row is {"prompt": ..., "chosen": ..., "rejected": ...}'
 
 
-def task_pairs(seed=0):
-    """The built-in task as pairs, in default_task's order (so the held-out pairs' prompts are the
-    loops' held-out prompts): the answer ("8" for "835=") preferred to a completion the task's
-    rule scores lower (a wrong digit, the answer followed by more, two wrong characters)."""
+def task_pairs(num_eval, seed=0):
+    """The built-in task as pairs: the answer ("8" for "835=") preferred to a completion the
+    task's rule scores lower: each wrong digit, the answer followed by more, two wrong characters.
+    Held out first: one pair (a random one of these) for each of default_task's held-out prompts,
+    so the loops' held-out prompts stay unseen; then every pair of each training prompt, shuffled.
+    Cut to the loops' 2 completion tokens (rm.py's default), a two-character answer ends without
+    eos, as the policy's truncated completions do: the reward model learns to score those too."""
     rng = random.Random(seed + 1)
     chars = "0123456789="
-    rows = []
-    for i, r in enumerate(default_task(0, seed)[0]):
-        answer = r["answer"]
-        kind = rng.random()
-        if kind < 0.6:  # a wrong digit
-            rejected = rng.choice([d for d in "0123456789" if d != answer])
-        elif kind < 0.8:  # the right digit, then more: the format reward's 0.5
-            rejected = answer + rng.choice(chars)
-        else:
-            rejected = rng.choice(chars.replace(answer, "")) + rng.choice(chars)
-        rows.append({"prompt": r["prompt"], "chosen": answer, "rejected": rejected, "index": i})
-    return rows
+
+    def rejected(answer):
+        wrong = [d for d in "0123456789" if d != answer]
+        more = [answer + rng.choice(chars) for _ in range(2)]
+        return wrong + more + [rng.choice(chars.replace(answer, "")) + rng.choice(chars)]
+
+    train, held = default_task(num_eval, seed)
+    rows = [
+        {
+            "prompt": r["prompt"],
+            "chosen": r["answer"],
+            "rejected": rng.choice(rejected(r["answer"])),
+        }
+        for r in held
+    ]
+    rest = [
+        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": x}
+        for r in train
+        for x in rejected(r["answer"])
+    ]
+    rng.shuffle(rest)
+    return [{**r, "index": i} for i, r in enumerate(rows + rest)]
 
 
 def split_response(value, prompt):
@@ -107,13 +120,14 @@ def pair_row(r, fields):
     }
 
 
-def load_pairs(data, fields, split="train", config="", seed=0):
+def load_pairs(data, fields, split="train", config="", seed=0, num_eval=0):
     """(rows, problems): every pair in the held-out split's order (the built-in task's, or --data
     after a seeded shuffle) and what is wrong with them (a list of messages, empty when fine): a
     row that is no pair (the first one named), empty responses, chosen == rejected in every row.
-    fields: (prompt, chosen, rejected, margin) field names; margin "" reads none."""
+    fields: (prompt, chosen, rejected, margin) field names; margin "" reads none; num_eval: the
+    built-in task's held-out prompts (task_pairs)."""
     if not data:
-        return task_pairs(seed), []
+        return task_pairs(num_eval, seed), []
     raw = _read(data, split, config)
     if not raw:
         return [], [f"--data {data} has no rows; {PAIR_SHAPE}"]
@@ -189,7 +203,9 @@ def check_pairs(args, rank):
     fields = (args.prompt_field, args.chosen_field, args.rejected_field, args.margin_field)
     try:
         kwargs = template_kwargs(args.chat_template_kwargs)
-        rows, problems = load_pairs(args.data, fields, args.data_split, args.data_config, args.seed)
+        rows, problems = load_pairs(
+            args.data, fields, args.data_split, args.data_config, args.seed, args.num_eval_prompts
+        )
     except ValueError as e:
         raise RunError(str(e)) from None
     if rows and len(rows) <= args.num_eval_prompts:

@@ -71,6 +71,7 @@ GRPO["smollm2-calculator"] = {
 RM = {
     "pretrained": {
         "learning_rate": 1e-5,
+        "max_completion_length": 256,
         "prompts_per_rank": 8,
         "per_device_train_batch_size": 8,
         "gradient_checkpointing": True,

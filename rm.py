@@ -97,7 +97,9 @@ class Args(harness.RunArgs):
     prompts_per_rank: int = arg(32, "pairs per rank per step (one optimizer step)", ">= 1")
     num_generations: int = arg(2, "sequences per pair: 2 (chosen and rejected)", "[2, 2]")
     max_completion_length: int = arg(
-        256, "response tokens kept (eos included), from the start", ">= 1"
+        2,
+        "response tokens kept (eos included) from the start: the PPO run's, which cuts alike",
+        ">= 1",
     )
     per_device_train_batch_size: int = arg(
         64,
@@ -107,8 +109,8 @@ class Args(harness.RunArgs):
     )
     center_coef: float = arg(0.0, "coef x mean (r_c + r_r)^2 (TRL's centering); 0: none", ">= 0")
     learning_rate: float = arg(1e-3, "peak LR (from scratch; ~1e-5 pretrained)", "> 0")
-    max_steps: int = arg(40, "training steps (one batch of pairs each)", ">= 1")
-    eval_steps: int = arg(10, "held-out accuracy every this many steps (and at start/end)", ">= 0")
+    max_steps: int = arg(150, "training steps (one batch of pairs each)", ">= 1")
+    eval_steps: int = arg(50, "held-out accuracy every this many steps (and at start/end)", ">= 0")
     num_eval_prompts: int = arg(200, "held-out pairs; 0: no eval", ">= 0")
 
 
@@ -134,7 +136,7 @@ def parse_args(argv=None):
     return args
 
 
-PHASES = {"update": ("update", "optimizer_step")}  # no rollout, no other models
+PHASES = {"update": ("update",), "optimizer_step": ("optimizer_step",)}  # no rollout
 
 
 def memory_models(args):

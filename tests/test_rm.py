@@ -113,9 +113,15 @@ def test_accumulation_equivalence_deepspeed(task_rm):
 
 
 def test_task_pairs_prefer_what_the_task_rewards():
-    """The built-in pairs: the chosen answer scores 1 on both task rewards, the rejected less."""
-    rows = task_pairs(0)
-    assert len(rows) == 1000
+    """The built-in pairs: the chosen answer scores 1 on both task rewards, the rejected less;
+    one held-out pair per held-out prompt of the loops, prompts that training never sees."""
+    from tasks import default_task
+
+    rows = task_pairs(200, 0)
+    held, train = rows[:200], rows[200:]
+    assert [r["prompt"] for r in held] == [r["prompt"] for r in default_task(200, 0)[1]]
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}
+    assert len(train) == 800 * 12
     answers = [max(r["prompt"][:-1]) for r in rows]
     for side, want in (("chosen", True), ("rejected", False)):
         texts = [r[side] for r in rows]
