@@ -273,3 +273,23 @@ def test_args_refuse_what_rm_does_not_do():
     pairs = {"chosen": torch.zeros(1), "rejected": torch.zeros(1)}
     assert split_scores(torch.tensor([1.0, 2.0]), {"margin": None})["rejected"].item() == 2.0
     assert bt_loss(pairs, normalizer=1)[0].item() == pytest.approx(0.6931, abs=1e-4)
+
+
+def test_ppo_preflight_refuses_a_reward_model_with_another_pad_token(task_rm, tmp_path):
+    """A reward model reads its score at the last token that is not its pad id: a policy padding
+    with another id is refused, saying which --pad_token to pass."""
+    import shutil
+
+    from checks import RunError, check_beside, load_tokenizer
+
+    rm = str(tmp_path / "rm")
+    shutil.copytree(task_rm, rm)
+    tokenizer = load_tokenizer(task_rm)
+    check_beside(rm, "--reward_model", tokenizer, "")  # the same pad id: fine
+    with open(os.path.join(rm, "config.json")) as f:
+        config = json.load(f)
+    config["pad_token_id"] = tokenizer.eos_token_id
+    with open(os.path.join(rm, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(RunError, match=f"pass --pad_token '{tokenizer.eos_token}'"):
+        check_beside(rm, "--reward_model", tokenizer, "")
