@@ -1,7 +1,7 @@
 """Reward-model training from preference pairs (Bradley-Terry), on torchrun + DeepSpeed, so that
 `ppo.py --reward_model` can do PPO in the InstructGPT sense from preference data.
 
-    bash run.sh rm --max_steps 60                      # pairs from the built-in task
+    bash run.sh rm                                     # pairs from the built-in task
     bash run.sh ppo --reward_model runs/<that run>/final
     MODEL=HuggingFaceTB/SmolLM2-135M-Instruct DATA=prefs.jsonl bash run.sh rm
 
