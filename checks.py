@@ -124,6 +124,16 @@ def check_beside(path, flag, tokenizer, pad_token):
             f"{flag} {path} has another tokenizer than the policy; token ids are passed as they "
             "are: use a model trained on the policy's tokenizer"
         )
+    pad = getattr(config, "pad_token_id", None)
+    if flag == "--reward_model" and pad is not None and pad != tokenizer.pad_token_id:
+        # it reads its score at the last token that is not its pad id: the policy's padding would
+        # be read as a token (a score at a padding position)
+        name = tokenizer.convert_ids_to_tokens(pad)
+        raise RunError(
+            f"{flag} {path} reads its score before pad id {pad} ({name!r}), and the policy pads "
+            f"with {tokenizer.pad_token_id} ({tokenizer.pad_token!r}): pass --pad_token {name!r} "
+            "(or train the reward model with the policy's --pad_token)"
+        )
 
 
 def check_stop_ids(tokenizer, stop_ids, model_path):

@@ -201,6 +201,7 @@ def estimate_memory(
     vllm_server=False,
     packed_bytes=0,
     trainable_params=None,
+    reward_head=False,
 ):
     """Predicted peak bytes per GPU for each phase of the loop, and the pieces they are made of.
 
@@ -221,6 +222,8 @@ def estimate_memory(
     vllm_transfer.packing) and generates on its own devices (rollout: the resident states).
     trainable_params: the parameters that train (LoRA's adapters, lora_params; default all N):
     gradients, Adam states and their fp32 partitions scale with them, the weights with N.
+    reward_head: the trained model is a reward model (rm.py): a score head (H, 1) in place of the
+    lm_head and no log-prob tile; a policy's update without generation (phase_groups: its phases).
     Returns {"phases": {phase: bytes}, "pieces": {piece: bytes}, "cpu": offloaded bytes per rank,
     "highest": phase, "params": N}.
     """
@@ -236,6 +239,8 @@ def estimate_memory(
     if offload_optimizer and zero_stage < 1:
         raise ValueError("offload_optimizer needs zero_stage >= 1")
     N, V, H, L, I, W = s["N"], s["V"], s["H"], s["L"], s["I"], world_size
+    if reward_head:  # a sequence classifier: the body and an (H, 1) score head
+        N = N - (0 if s["tied"] else s["embed_params"]) + H
     T = N if trainable_params is None else trainable_params  # trained: gradients, Adam states
     b = 4 if dtype == "fp32" else 2
     mixed = b == 2
@@ -276,7 +281,9 @@ def estimate_memory(
     p["activations"] = p["activations_ckpt"] if gradient_checkpointing else p["activations_full"]
     p["inference_layer"] = A * tok  # no-grad forward: about one layer's temporaries at a time
     p["logprob_fwd"] = _logprob_fwd_bytes(V, ctok, b, fused_logprobs, logprob_chunk)
-    if fused_logprobs:
+    if reward_head:  # one score per sequence, no vocabulary's logits
+        p["logprob_fwd"] = p["logprob_update"] = 0
+    elif fused_logprobs:
         p["logprob_update"] = p["logprob_fwd"] + 4 * V * H + 4 * ctok * H + 4 * min(tv, V) * H
     else:
         p["logprob_update"] = 2 * p["logprob_fwd"]
@@ -586,6 +593,10 @@ def describe(kw):
         else "no gradient checkpointing",
         "generation": f"generation: {gen}",
     }
+    if kw["reward_head"]:  # rm.py: pairs, no generation
+        out["batch"] = f"{kw['prompts_per_rank']} pairs per rank (a reward model's update)"
+        out["tokens"] = f"prompt {prompt} + response {kw['completion_len']} tokens"
+        out["generation"] = "no generation"
     if kw["trainable_params"] is not None:
         out["lora"] = f"{kw['trainable_params'] / 1e6:.1f} M trained parameters (LoRA)"
     if frozen:

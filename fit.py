@@ -219,6 +219,7 @@ def estimate_kwargs(args, world, models, knobs=None, gpu_gb=0.0):
         reward_config=rm,
         teacher_config=teacher,  # GRPO's distillation teacher: its own phase, from its own shape
         phase_groups=models.get("phases"),
+        reward_head=bool(models.get("pairs")),  # rm.py trains a reward model on pairs
         trainable_params=lora_params(config, args.lora_r, args.lora_target_modules)
         if args.lora_r
         else None,

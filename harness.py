@@ -65,6 +65,7 @@ from generation import attn_implementation_for, generate_hf, unwrap_for_generati
 from guard import StepGuard
 from logprobs import DEFAULT_CHUNK_SIZE
 from memory import MemoryLedger
+from pairs import check_pairs
 from recipes import apply_recipe
 from runlog import RunLog
 from tasks import pass_at_k, score_completions
@@ -258,7 +259,8 @@ def preflight(args, rank, world, models, say=print):
     # before anything is written there
     check_new_run(args.run_dir, args.resume, args.overwrite, evaluate=not args.max_steps)
     beside = [models.get(k, "") for k in ("reward_model", "env", "teacher")]
-    found = check_inputs(args, rank, *beside)
+    # rm.py trains on preference pairs (pairs.py), the loops on prompts
+    found = check_pairs(args, rank) if models.get("pairs") else check_inputs(args, rank, *beside)
     dtype = training_dtype(args.dtype)
     knobs, _ = fit_to_budget(args, world, models, say)  # the knobs as given, or fitted
     mini = models.get("mini_batches", 1)
@@ -527,7 +529,8 @@ class Run:
             self.t0, self.step = time.time(), step + 1
             torch.manual_seed(a.seed * 7919 + step * self.world + self.rank)
             yield step
-            bar.set_postfix(reward=f"{self.row['reward']:.3f}")
+            key = "reward" if "reward" in self.row else "accuracy"  # rm.py: pairwise accuracy
+            bar.set_postfix({key: f"{self.row[key]:.3f}"})
         bar.close()
 
     def end_step(self, row, *, loss, grad_norm, skipped, line, updated=True):

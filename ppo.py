@@ -53,8 +53,8 @@ from data import batch_rows
 from exits import RunError, entry_code, exit_process
 from fit import Knobs
 from generation import attn_implementation_for, sampler_logp_gap
-from logprobs import positions_from_mask
-from tasks import RewardError, reward_stats
+from reward_model import sequence_scores
+from tasks import RewardError, reward_functions, reward_stats, score_completions
 from zero3_load import enable_gradient_checkpointing
 from zero3_utils import all_cat, gathered
 
@@ -262,15 +262,9 @@ def score(run, rows, completions, num_generations, batch, plan, reward_model):
     with torch.no_grad():
         # the reward model reads the rightmost non-pad token (the EOS or the last one)
         for idx, mb, weight in micro_batches(batch, plan):
-            am = mb["attention_mask"].to(run.device)  # (b, t)
-            logits = reward_model(
-                input_ids=mb["input_ids"].to(run.device),
-                attention_mask=am,
-                position_ids=positions_from_mask(am),
-                use_cache=False,
-            ).logits  # (b, 1)
+            scores = sequence_scores(reward_model, mb, run.device)  # (b,)
             if weight:
-                out[idx] = logits[:, 0].float().cpu()
+                out[idx] = scores.cpu()
     if not torch.isfinite(out).all():
         bad = ~torch.isfinite(out)  # (B,)
         raise RewardError(
@@ -458,6 +452,8 @@ def main(argv=None):
         rm = run.load(rm_path, AutoModelForSequenceClassification, frozen=True, num_labels=1)
         reward_model = run.frozen(rm)
     vllm = run.vllm_engine()
+    answered = all(r.get("answer") is not None for r in run.eval_rows)
+    rule = reward_functions("", "", args.data) if rm_path and answered else None
 
     def eval_sample(rows):  # --eval_samples completions per held-out prompt
         prompt_ids, k = run.encode(rows), args.eval_samples
@@ -465,7 +461,10 @@ def main(argv=None):
         completions = run.tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
         batch = make_batch(prompt_ids, gens, run.tokenizer.pad_token_id)
         plan = plan_micro_batches(batch, run.knobs.per_device_train_batch_size)
-        return score(run, rows, completions, k, batch, plan, reward_model)
+        total, per_func = score(run, rows, completions, k, batch, plan, reward_model)
+        if rule:  # eval/accuracy by the task's own rule beside the reward model's eval/reward
+            per_func = score_completions(*rule, rows, completions, k)[1]
+        return total, per_func
 
     run.start(__file__, {"actor": engine, "critic": critic_engine}, vllm, eval_sample)
     scorers = rollout_scorers(engine, critic_engine, ref, args, run.knobs, run.device)

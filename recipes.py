@@ -66,6 +66,18 @@ GRPO["smollm2-calculator"] = {
     "num_eval_prompts": 100,
 }
 
+# rm.py: a reward model from a pretrained policy (MODEL=... bash run.sh rm): a small LR, answers of
+# up to 256 tokens, micro-batches of 4 pairs
+RM = {
+    "pretrained": {
+        "learning_rate": 1e-5,
+        "max_completion_length": 256,
+        "prompts_per_rank": 8,
+        "per_device_train_batch_size": 8,
+        "gradient_checkpointing": True,
+        "eval_steps": 50,
+    },
+}
 # PPO: sized for 2 CPU ranks of a 24 GB machine, ZeRO-3, with `--estimate_memory True`: actor,
 # critic and reference side by side
 PPO = {

@@ -7,10 +7,12 @@ run's pad token in its config (which tokens are padding when it finds the last o
     MODEL=Qwen/Qwen2.5-0.5B-Instruct bash run.sh ppo --reward_model runs/rm
     python reward_model.py --path runs/rm                 # a tiny one for the built-in task
     bash run.sh ppo --reward_model runs/rm
+    scores = sequence_scores(model, mb, device)           # (b,) the score of each sequence
 
 From --policy: the policy's body (its weights and config) and its tokenizer, with a new score head,
-random (seeded): it scores, but has learnt nothing yet. Train it on your comparisons or ratings
-(TRL's RewardTrainer saves this same format), or use it as it is to try the set-up. Without
+random (seeded): it scores, but has learnt nothing yet. Train it on preference pairs with
+`bash run.sh rm` (rm.py, which starts from this same build and saves this format; TRL's
+RewardTrainer does too), or use it as it is to try the set-up. Without
 --policy: a tiny random Llama in the built-in task's vocabulary (tasks.TASK_CHARS).
 """
 
@@ -23,6 +25,7 @@ from transformers import AutoModelForSequenceClassification
 from arguments import arg, parse_args_quietly
 from checks import load_tokenizer
 from exits import entry
+from logprobs import positions_from_mask
 from tasks import TASK_CHARS
 from tiny_models import build_tiny
 
@@ -40,6 +43,21 @@ def build_reward_model(path, policy="", seed=0, pad_token=""):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def sequence_scores(model, mb, device):
+    """(b,) fp32: each sequence's score, the one label at its rightmost non-pad token (transformers'
+    sequence classifiers pool there, by config.pad_token_id), for a micro-batch {"input_ids",
+    "attention_mask"} (b, t) with left-padded prompts (positions from the mask). The one place a
+    reward model is read: `ppo.py --reward_model` scores with it and rm.py trains through it."""
+    am = mb["attention_mask"].to(device)  # (b, t)
+    logits = model(
+        input_ids=mb["input_ids"].to(device),
+        attention_mask=am,
+        position_ids=positions_from_mask(am),
+        use_cache=False,
+    ).logits  # (b, 1)
+    return logits[:, 0].float()  # (b,)
 
 
 @dataclass

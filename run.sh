@@ -87,7 +87,7 @@ venv=$(bash install.sh)
 [[ -z $venv || ${VIRTUAL_ENV:-} == "$venv" ]] || source "$venv/bin/activate"
 
 ALGO=grpo
-if [[ $# -gt 0 && ( $1 == grpo || $1 == ppo ) ]]; then ALGO=$1; shift; fi
+if [[ $# -gt 0 && ( $1 == grpo || $1 == ppo || $1 == rm ) ]]; then ALGO=$1; shift; fi
 [[ -f $ALGO.py ]] || { echo "run.sh: $ALGO.py not found" >&2; exit 1; }
 
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)

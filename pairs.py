@@ -1,0 +1,242 @@
+"""Preference pairs for reward-model training (rm.py): --data read as rows of (prompt, chosen,
+rejected[, margin]), the built-in task's pairs, each row checked, and a step's pairs as a batch.
+
+    rows = load_pairs("prefs.jsonl", fields)          # "": the built-in task's pairs
+    batch = pair_batch(tokenizer, rows, max_prompt_length, max_response_length)
+    scores[0::2], scores[1::2]                        # chosen, rejected (batch rows 2i, 2i + 1)
+
+A row of --data (JSONL, JSON, CSV, parquet, a `datasets` directory or a cached hub id: data.py
+reads it) holds a chosen and a rejected response and, optionally, a prompt and a margin. Plain
+text: strings; conversational (TRL's format, as Anthropic HH or UltraFeedback ship it): lists of
+{"role", "content"} messages, chosen and rejected each the whole conversation ending in the
+assistant's answer (the prompt is then the messages before it, the same in both) or the answer's
+messages alone beside a prompt. The policy's chat template renders the prompt as the loops render
+theirs (batching.encode_prompts); a response is its text's tokens and the eos token, so a pair
+reads as the policy's finished completions do in `ppo.py --reward_model`. Field names are the
+common ones (prompt, chosen, rejected); --prompt_field, --chosen_field, --rejected_field and
+--margin_field name others. Imports batching.py, data.py, generation.py and tasks.py.
+"""
+
+import math
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+from batching import encode_prompts, make_batch, stop_token_ids, template_kwargs
+from checks import check_data, check_model_path, check_templates, load_tokenizer
+from data import _read, conversation_error, row_name
+from exits import RunError
+from generation import Generations
+from reward_model import build_reward_model
+from tasks import default_task
+
+PAIR_SHAPE = 'each row is {"prompt": ..., "chosen": ..., "rejected": ...}'
+
+
+def task_pairs(num_eval, seed=0):
+    """The built-in task as pairs: the answer ("8" for "835=") preferred to a completion the
+    task's rule scores lower: each wrong digit, the answer followed by more, two wrong characters.
+    Held out first: one pair (a random one of these) for each of default_task's held-out prompts,
+    so the loops' held-out prompts stay unseen; then every pair of each training prompt, shuffled.
+    Cut to the loops' 2 completion tokens (rm.py's default), a two-character answer ends without
+    eos, as the policy's truncated completions do: the reward model learns to score those too."""
+    rng = random.Random(seed + 1)
+    chars = "0123456789="
+
+    def rejected(answer):
+        wrong = [d for d in "0123456789" if d != answer]
+        more = [answer + rng.choice(chars) for _ in range(2)]
+        return wrong + more + [rng.choice(chars.replace(answer, "")) + rng.choice(chars)]
+
+    train, held = default_task(num_eval, seed)
+    rows = [
+        {
+            "prompt": r["prompt"],
+            "chosen": r["answer"],
+            "rejected": rng.choice(rejected(r["answer"])),
+        }
+        for r in held
+    ]
+    rest = [
+        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": x}
+        for r in train
+        for x in rejected(r["answer"])
+    ]
+    rng.shuffle(rest)
+    return [{**r, "index": i} for i, r in enumerate(rows + rest)]
+
+
+def split_response(value, prompt):
+    """(prompt, response text) of one side of a pair, or a str saying what is wrong with it."""
+    if isinstance(value, str):
+        return prompt if prompt is not None else "", value
+    if not isinstance(value, list):
+        return f"is a {type(value).__name__}, not a string or a list of messages"
+    value = [
+        {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value
+    ]
+    problem = conversation_error(value)
+    if problem:
+        return problem
+    if value[-1]["role"] != "assistant":
+        return f"ends with a {value[-1]['role']} message, not the assistant's answer"
+    if prompt is None:  # the whole conversation: its prompt is what comes before the answer
+        prompt = value[:-1] or ""
+    return prompt, value[-1]["content"]
+
+
+def pair_row(r, fields):
+    """{"prompt", "chosen", "rejected", "margin"} from a raw row, or a str: what is wrong."""
+    pf, cf, rf, mf = fields
+    prompt = r.get(pf)
+    if prompt is not None and not isinstance(prompt, str):
+        if not isinstance(prompt, list) or conversation_error(prompt):
+            what = conversation_error(prompt) if isinstance(prompt, list) else None
+            return f'its "{pf}" {what or "is not a string or a list of messages"}'
+    out = {}
+    for side, name in (("chosen", cf), ("rejected", rf)):
+        if r.get(name) is None:
+            return f'has no "{name}" field'
+        got = split_response(r[name], prompt)
+        if isinstance(got, str):
+            return f'its "{name}" {got}'
+        out[f"{side}_prompt"], out[side] = got
+    if out["chosen_prompt"] != out["rejected_prompt"]:
+        return f'its "{cf}" and "{rf}" conversations differ before their last message'
+    margin = 0.0
+    if mf:
+        try:
+            margin = float(r.get(mf))
+        except (TypeError, ValueError):
+            return f'its "{mf}" {r.get(mf)!r} is not a number'
+        if not math.isfinite(margin):
+            return f'its "{mf}" {margin} is not finite'
+    return {
+        "prompt": out["chosen_prompt"],
+        "chosen": out["chosen"],
+        "rejected": out["rejected"],
+        "margin": margin,
+    }
+
+
+def load_pairs(data, fields, split="train", config="", seed=0, num_eval=0):
+    """(rows, problems): every pair in the held-out split's order (the built-in task's, or --data
+    after a seeded shuffle) and what is wrong with them (a list of messages, empty when fine): a
+    row that is no pair (the first one named), empty responses, chosen == rejected in every row.
+    fields: (prompt, chosen, rejected, margin) field names; margin "" reads none; num_eval: the
+    built-in task's held-out prompts (task_pairs)."""
+    if not data:
+        return task_pairs(num_eval, seed), []
+    raw = _read(data, split, config)
+    if not raw:
+        return [], [f"--data {data} has no rows; {PAIR_SHAPE}"]
+    rows, problems = [], []
+    for i, r in enumerate(raw):
+        row = pair_row(r, fields) if isinstance(r, dict) else "is not an object"
+        if isinstance(row, str):
+            flags = "--prompt_field, --chosen_field, --rejected_field and --margin_field"
+            problems.append(
+                f"--data {data} {row_name(data, i)} {row}; {PAIR_SHAPE} ({flags} name other fields)"
+            )
+            break
+        rows.append({**row, "index": i})
+    empty = [r for r in rows if not r["chosen"].strip() or not r["rejected"].strip()]
+    if empty:
+        problems.append(
+            f"--data {data}: {len(empty)} of {len(rows)} rows have an empty response (first: "
+            f"{row_name(data, empty[0]['index'])}); drop them: an empty answer is no preference"
+        )
+    if rows and all(r["chosen"] == r["rejected"] for r in rows):
+        problems.append(
+            f"--data {data}: chosen == rejected in every row, so there is nothing to learn; are "
+            f"--chosen_field and --rejected_field ({fields[1]}, {fields[2]}) two columns?"
+        )
+    random.Random(seed).shuffle(rows)
+    return rows, problems
+
+
+def pair_batch(tokenizer, rows, max_prompt_length, max_response_length, template_kwargs=None):
+    """The pairs as one batch, PPO's layout (batching.make_batch: left-padded prompts, right-padded
+    responses): rows 2i and 2i + 1 are pair i's chosen and rejected sequences; "margin" (2N,) the
+    pair's margin on both. A response is its tokens and eos, cut to max_response_length."""
+    prompt_ids = encode_prompts(tokenizer, rows, max_prompt_length, template_kwargs)
+    texts = [r[side] for r in rows for side in ("chosen", "rejected")]
+    eos = [tokenizer.eos_token_id]
+    resp = [
+        (ids + eos)[:max_response_length]
+        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]
+    ]
+    C = max(len(x) for x in resp)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([x + [pad] * (C - len(x)) for x in resp])  # (2N, C)
+    mask = torch.tensor([[1] * len(x) + [0] * (C - len(x)) for x in resp])  # (2N, C)
+    batch = make_batch(prompt_ids, Generations(ids, mask), pad)
+    batch["margin"] = torch.tensor([float(r.get("margin", 0.0)) for r in rows]).repeat_interleave(2)
+    return batch
+
+
+def reward_model_start(args, rank):
+    """The reward model training starts from: --model itself when it is one (a sequence
+    classifier), else one built by rank 0 in <run_dir>/init from --model (its body and tokenizer,
+    a new score head: reward_model.py) or, without --model, the built-in task's tiny model's shape
+    and vocabulary. Call on every rank (it waits)."""
+    if args.model:
+        archs = getattr(check_model_path(args.model), "architectures", None) or []
+        if any(a.endswith("ForSequenceClassification") for a in archs):
+            return args.model
+    path = os.path.join(args.run_dir, "init")
+    if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        tmp = f"{path}.tmp-{os.getpid()}"  # renamed into place whole, as tasks.task_model does
+        build_reward_model(tmp, args.model, args.seed, args.pad_token)
+        os.rename(tmp, path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def check_pairs(args, rank):
+    """rm.py's inputs, checked before any step (harness.preflight calls it for a loop whose models
+    say "pairs"): the pairs (every problem in one message, before anything is written), then the
+    reward model to start from, its tokenizer (eos, pad) and config, the prompts through the chat
+    template. Returns harness.Inputs' fields: train_rows and eval_rows are pairs."""
+    fields = (args.prompt_field, args.chosen_field, args.rejected_field, args.margin_field)
+    try:
+        kwargs = template_kwargs(args.chat_template_kwargs)
+        rows, problems = load_pairs(
+            args.data, fields, args.data_split, args.data_config, args.seed, args.num_eval_prompts
+        )
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    if rows and len(rows) <= args.num_eval_prompts:
+        source = f"--data {args.data}" if args.data else "the built-in task"
+        problems.append(
+            f"{source} has {len(rows)} pairs, not more than --num_eval_prompts "
+            f"{args.num_eval_prompts} (held out); lower it (0: no evaluation) or add pairs"
+        )
+    check_data(problems)
+    if args.model:  # the policy's tokenizer before anything is built from it
+        load_tokenizer(args.model, args.pad_token)
+    model_path = reward_model_start(args, rank)
+    config = check_model_path(model_path)
+    tokenizer = load_tokenizer(model_path, args.pad_token)
+    if config.pad_token_id != tokenizer.pad_token_id:
+        raise RunError(
+            f"--model {model_path} reads its score before pad id {config.pad_token_id}, and the "
+            f"run pads with {tokenizer.pad_token_id} ({tokenizer.pad_token!r}): pass --pad_token "
+            f"{tokenizer.convert_ids_to_tokens(config.pad_token_id)!r}"
+        )
+    train_rows, eval_rows = rows[args.num_eval_prompts :], rows[: args.num_eval_prompts]
+    check_templates(tokenizer, train_rows[:20000] + eval_rows, args, model_path, kwargs)
+    return dict(
+        train_rows=train_rows,
+        eval_rows=eval_rows,
+        model_path=model_path,
+        config=config,
+        tokenizer=tokenizer,
+        stop_ids=stop_token_ids(tokenizer, model_path),
+        template_kwargs=kwargs,
+        funcs=[],
+        weights=[],
+    )
