@@ -71,7 +71,7 @@ from runlog import RunLog
 from tasks import pass_at_k, score_completions
 from vllm_server import vllm_generator, write_server_settings
 from zero3_load import enable_gradient_checkpointing, load_model
-from zero3_utils import frozen_config, frozen_engine, load_ds_config, save_hf
+from zero3_utils import from_rank0, frozen_config, frozen_engine, load_ds_config, save_hf
 
 
 # ---- The fields both loops have (each loop's Args extends this) --------------------------------
@@ -353,9 +353,7 @@ class Run:
             clear_stale_build_locks()
         self.rank, self.world, self.device = init_distributed()  # NCCL on GPUs, gloo on CPU
         if not args.run_dir:  # rank 0's start time names it on every rank
-            named = [default_run_dir(args)]
-            dist.broadcast_object_list(named, src=0)
-            args.run_dir = named[0]
+            args.run_dir = from_rank0(default_run_dir(args))
         self.say = print if self.rank == 0 else (lambda *a, **k: None)
         if self.world == 1:  # one process: a refusal leaves nothing behind (run.sh's pre-flight)
             with nothing_left_if_refused(args.run_dir):

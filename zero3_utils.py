@@ -77,6 +77,16 @@ def all_reduce_(t, op=None):
     return t
 
 
+def from_rank0(obj):
+    """A picklable `obj` as rank 0 holds it, on every rank (`obj` itself without a process
+    group); every rank calls it."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=comm_device())
+    return box[0]
+
+
 def all_cat(t):
     """(B, K) from every rank (the same shape on each) -> (world * B, K) on the CPU, rank by
     rank."""
