@@ -86,7 +86,6 @@ def split_scores(scores, mb):
 @dataclass
 class Args(harness.RunArgs):
     recipe: str = arg("", recipes.recipe_help(recipes.RM))
-    run_dir: str = arg("runs/rm", "metrics.jsonl, args, checkpoints, final reward model")
     model: str = arg(
         "", "the policy (a new score head) or a reward model to go on; empty: the built-in task's"
     )

@@ -269,7 +269,7 @@ def test_args_refuse_what_rm_does_not_do():
         with pytest.raises(RunError, match=msg):
             parse_args(argv)
     args = parse_args([])
-    assert args.num_generations == 2 and args.run_dir == "runs/rm"
+    assert args.num_generations == 2 and args.run_dir == ""  # named at the start
     pairs = {"chosen": torch.zeros(1), "rejected": torch.zeros(1)}
     assert split_scores(torch.tensor([1.0, 2.0]), {"margin": None})["rejected"].item() == 2.0
     assert bt_loss(pairs, normalizer=1)[0].item() == pytest.approx(0.6931, abs=1e-4)
