@@ -56,9 +56,13 @@ def test_grpo_evaluate_a_final_model_then_extend_the_run(tmp_path):
     assert end["step"] == 2
 
     # the run's final model, evaluated alone on the same held-out prompts (same --data, --seed and
-    # --num_eval_prompts: the same split), scores what the run's end-of-run evaluation did
+    # --num_eval_prompts: the same split; --recipe '': the run's defaults, where --model alone
+    # takes the pretrained recipe), scores what the run's end-of-run evaluation did
     out = conftest.run_sh(
-        "grpo", *SMALL, "--max_steps", "0", "--model", a / "final", env={"RUN_DIR": str(e)}
+        "grpo",
+        *SMALL,
+        *("--max_steps", "0", "--recipe", "", "--model", a / "final"),
+        env={"RUN_DIR": str(e)},
     )
     row = assert_evaluation_only(e, out)
     assert row["eval/reward"] == end["eval/reward"], (row, end)
