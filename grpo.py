@@ -53,7 +53,6 @@ from dapo import DapoArgs, dynamic_sampling, truncated
 from data import batch_rows
 from distill import DistillArgs, teacher_advantages
 from exits import RunError, entry_code, exit_process
-from fit import Knobs
 from generation import Generations, sampler_logp_gap
 from gspo import IMPORTANCE_SAMPLING_LEVELS, sequence_log_ratio
 from rloo import baseline_advantages
@@ -327,9 +326,9 @@ def rollout(run, step, args, env):
 
 
 # ---- Micro-batches, log-probs and the update -------------------------------------------------
-def micro_plan(batch, args, knobs=None):
-    """This rank's micro-batches over its kept rows; ranks agree on their number (batching.py)."""
-    knobs = knobs or Knobs.given(args)
+def micro_plan(batch, args, knobs):
+    """This rank's micro-batches over its kept rows, at the run's knobs (run.knobs); ranks agree on
+    their number (batching.py)."""
     micro, tokens = knobs.per_device_train_batch_size, knobs.max_tokens_per_microbatch
     return plan_micro_batches(batch, micro, tokens, keep_mask(batch, args))
 
@@ -401,7 +400,7 @@ def rollout_logps(run, engine, ref, teacher, batch, plan, args):
     return extra
 
 
-def update(engine, batch, args, device, ledger=None, knobs=None):
+def update(engine, batch, args, knobs, device, ledger=None):
     """The policy update for one step's batch, on every rank alike; returns {"sums": the loss's
     metrics summed over micro-batches and ranks, "rows": kept rows, "skipped": optimizer steps
     DeepSpeed refused as non-finite, "updated": 1.0 or 0.0} and, when vLLM sampled the batch, how
@@ -417,7 +416,6 @@ def update(engine, batch, args, device, ledger=None, knobs=None):
     3. num_iterations times: every micro-batch forward/backward, then one optimizer step
        (train_on_batch); the last iteration's metrics are the step's.
     """
-    knobs = knobs or Knobs.given(args)
     plan = micro_plan(batch, args, knobs)
     stats = batch_stats(batch, plan, args)
     sums, skipped = {}, 0
@@ -511,7 +509,7 @@ def main(argv=None):
 
         # 3. update: keep mask, micro-batches, whole-batch statistics, optimizer steps
         t1 = time.time()
-        out = update(engine, batch, args, run.device, run.ledger, run.knobs)
+        out = update(engine, batch, args, run.knobs, run.device, run.ledger)
         t_update = time.time() - t1
         if prefetch is not None:  # the new weights to the server; then one more step may start
             with run.ledger.phase("weight_sync"):

@@ -51,7 +51,6 @@ from cispo import cispo_per_token
 from critic import build_critic, forward_values
 from data import batch_rows
 from exits import RunError, entry_code, exit_process
-from fit import Knobs
 from generation import attn_implementation_for, sampler_logp_gap
 from reward_model import sequence_scores
 from tasks import RewardError, reward_functions, reward_stats, score_completions
@@ -340,7 +339,7 @@ def mini_batch_normalizer(batch, group):
     return max(total, 1.0)
 
 
-def update(actor, critic, batch, args, device, times, ledger=None, logps_out=None, knobs=None):
+def update(actor, critic, batch, args, knobs, device, times, ledger=None, logps_out=None):
     """The actor and critic update for one step's batch, on every rank alike; returns the losses'
     metrics summed over micro-batches and ranks (whatever keys they return: the same on every
     rank by construction). In order:
@@ -360,7 +359,6 @@ def update(actor, critic, batch, args, device, times, ledger=None, logps_out=Non
     times. Without batch["old_logps"] (on-policy: needs_old_logps), each forward's own log-probs,
     detached, are the old ones. logps_out (B, C): filled with the first epoch's log-probs.
     """
-    knobs = knobs or Knobs.given(args)
     world = actor.dp_world_size
     micro, tokens = knobs.per_device_train_batch_size, knobs.max_tokens_per_microbatch
     groups = mini_batch_plans(batch, args.num_mini_batches, micro, tokens)
@@ -510,7 +508,7 @@ def main(argv=None):
         trainer = None if vllm is None or "old_logps" in batch else torch.zeros(mask.shape)
         t1 = time.time()
         totals = update(
-            engine, critic_engine, batch, args, run.device, times, run.ledger, trainer, knobs
+            engine, critic_engine, batch, args, knobs, run.device, times, run.ledger, trainer
         )
         t_update = time.time() - t1
 

@@ -39,7 +39,6 @@ from arguments import arg
 from batching import all_sum, micro_batches, plan_micro_batches
 from data import batch_rows
 from exits import RunError, entry_code, exit_process
-from fit import Knobs
 from pairs import pair_batch
 from reward_model import sequence_scores
 
@@ -150,7 +149,7 @@ def pair_plan(batch, knobs):
     return plan_micro_batches(batch, knobs.per_device_train_batch_size)
 
 
-def update(engine, batch, args, device, ledger=None, knobs=None):
+def update(engine, batch, args, knobs, device, ledger=None):
     """One optimizer step on this step's pairs, every rank alike; returns the metric sums of
     bt_loss over the whole batch (every micro-batch, every rank; sorted keys, one all_sum) and
     "skipped" (1.0: DeepSpeed refused a non-finite step).
@@ -159,7 +158,6 @@ def update(engine, batch, args, device, ledger=None, knobs=None):
     all ranks add up to the batch loss; DeepSpeed's division by gradient_accumulation_steps is off
     and its average over ranks undone (the world size), as in grpo.train_on_batch: the step applies
     exactly the gradient of the full-batch loss however the batch is split."""
-    knobs = knobs or Knobs.given(args)
     plan = pair_plan(batch, knobs)
     (normalizer,) = all_sum([batch["input_ids"].shape[0] / 2])
     world, sums = engine.dp_world_size, {}
@@ -233,7 +231,7 @@ def main(argv=None):
         rows = batch_rows(run.train_rows, step, N * run.world, args.seed)
         batch = encode(rows[run.rank * N : (run.rank + 1) * N])
         t1 = time.time()
-        totals = update(engine, batch, args, run.device, run.ledger, run.knobs)
+        totals = update(engine, batch, args, run.knobs, run.device, run.ledger)
         row = step_row(step + 1, totals, engine)
         (tokens,) = all_sum([float(batch["attention_mask"].sum())])
         row.update(completion_tokens=tokens, update_s=time.time() - t1)

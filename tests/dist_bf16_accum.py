@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from batching import loss_inputs
 from exits import exit_process
+from fit import Knobs
 from grpo import grpo_loss, loss_normalizer, parse_args, update
 
 TOLERANCE = 3e-2
@@ -106,7 +107,7 @@ for stage in (2, 3):
         argv = ["--prompts_per_rank", "2", "--num_generations", "2", "--epsilon_high", "0.28"]
         argv += ["--max_completion_length", str(C), "--per_device_train_batch_size", str(micro)]
         args = parse_args(argv + ["--max_tokens_per_microbatch", str(budget)])
-        update(engine, batch, args, torch.device("cpu"))
+        update(engine, batch, args, Knobs.given(args), torch.device("cpu"))
         err = torch.sqrt(sum(((got[n].double() - want[n].double()) ** 2).sum() for n in want))
         rel = (err / want_norm).item()
         worst = max(worst, rel)

@@ -136,11 +136,11 @@ def check(label, stage, args, keep, want_loss, want_norm, want, atol=1e-7, input
         **{k: v[mine] for k, v in (inputs or {}).items()},
     }
     label = f"{args.loss_type} zero{stage} {label}"
-    plan = micro_plan(batch, args)
+    plan = micro_plan(batch, args, Knobs.given(args))
     got_norm = batch_stats(batch, plan, args)["normalizer"]
     if got_norm != want_norm:
         failures.append(f"{label}: normaliser {got_norm} != {want_norm}")
-    totals = update(engine, batch, args, torch.device("cpu"))
+    totals = update(engine, batch, args, Knobs.given(args), torch.device("cpu"))
     kept = 8 if keep is None else int(keep.sum())
     if totals["rows"] != kept or totals["updated"] != float(kept > 0):
         failures.append(f"{label}: rows {totals['rows']} updated {totals['updated']}")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from exits import EXIT_DIVERGED, RunError, exit_process
+from fit import Knobs
 from grpo import parse_args, update
 from guard import StepGuard
 from zero3_utils import gathered, load_ds_config
@@ -57,7 +58,8 @@ def step(engine, guard, n, nan_on_rank1):
     b = dict(batch, advantages=batch["advantages"].clone())
     if nan_on_rank1 and rank == 1:
         b["advantages"][0] = float("nan")
-    loss = update(engine, b, args, torch.device("cpu"))["sums"]["loss"]  # summed over ranks
+    out = update(engine, b, args, Knobs.given(args), torch.device("cpu"))
+    loss = out["sums"]["loss"]  # summed over ranks
     norm = engine.get_global_grad_norm()
     guard.update(n, loss, None if norm is None else float(norm), not engine.was_step_applied())
     return engine.was_step_applied(), loss

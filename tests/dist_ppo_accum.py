@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from batching import loss_inputs, micro_slice
 from exits import exit_process
+from fit import Knobs
 from ppo import (
     build_critic,
     forward_logps,
@@ -125,7 +126,7 @@ def check(label, args, micro, want):
             before.update({(name, k): p.detach().clone() for k, p in e.module.named_parameters()})
     mine = slice(4 * rank, 4 * rank + 4)
     batch = {k: v[mine] for k, v in full.items()}
-    update(engines["actor"], engines["critic"], batch, args, cpu, {})
+    update(engines["actor"], engines["critic"], batch, args, Knobs.given(args), cpu, {})
     for name, e in engines.items():
         with gathered(e.module):
             for k, p in e.module.named_parameters():
@@ -181,7 +182,9 @@ with gathered(engines["actor"].module):
 mine = slice(4 * rank, 4 * rank + 4)
 batch = {k: v[mine] for k, v in full.items() if k != "old_logps"}
 trainer = torch.zeros(4, C)  # (4, C)
-update(engines["actor"], engines["critic"], batch, args, cpu, {}, logps_out=trainer)
+update(
+    engines["actor"], engines["critic"], batch, args, Knobs.given(args), cpu, {}, logps_out=trainer
+)
 if not torch.allclose(trainer * cmask[mine], base_logps[mine] * cmask[mine], atol=1e-5):
     failures.append(f"on-policy logps_out: max err {(trainer - base_logps[mine]).abs().max():.3g}")
 with gathered(engines["actor"].module):

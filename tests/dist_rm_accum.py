@@ -17,6 +17,7 @@ import torch.distributed as dist
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from exits import exit_process
+from fit import Knobs
 from pairs import pair_batch
 from reward_model import sequence_scores
 from rm import bt_loss, parse_args, split_scores, update
@@ -71,7 +72,8 @@ def check(label, stage, micro, mine, want_loss, want_metrics, want, center_coef)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config
     )
-    totals = update(engine, pair_batch(tokenizer, mine, 64, 16), args, torch.device("cpu"))
+    batch = pair_batch(tokenizer, mine, 64, 16)
+    totals = update(engine, batch, args, Knobs.given(args), torch.device("cpu"))
     label = f"zero{stage} micro={micro} {label}"
     got_loss = totals["loss"] / totals["pairs"]  # the summed -log sigmoid over the batch's pairs
     want_bt = want_metrics["loss"] / want_metrics["pairs"]

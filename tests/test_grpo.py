@@ -328,7 +328,7 @@ def test_mask_truncated_completions_drops_rows_cut_at_the_length():
     off = parse_args(["--per_device_train_batch_size", "2"])
     assert keep_mask(batch, on).tolist() == [True, False, False, True]
     assert keep_mask(batch, off).tolist() == [True, False, True, True]
-    assert [i.tolist() for i in micro_plan(batch, on)] == [[0, 3]]
+    assert [i.tolist() for i in micro_plan(batch, on, Knobs.given(on))] == [[0, 3]]
     assert keep_mask({**batch, "keep": None}, on).tolist() == [True, True, False, True]
 
 
