@@ -1,20 +1,23 @@
 """The reader's walk: how often following a loop's `main` through this project's code moves
 between files. The walk is the one a reader makes, measured on a real run, not by hand.
 
-    python bench/walk.py grpo                # the default GRPO run, one step
-    python bench/walk.py ppo -- --max_steps 2   # flags after -- go to the loop
+    python bench/walk.py --loop grpo                 # the default GRPO run, one step
+    python bench/walk.py --loop ppo --list True      # and the walk, one line per stop
+    python bench/walk.py --loop grpo -- --beta 0.04  # flags after -- go to the loop
 
 One process (rank 0 of 1, gloo), the loop's `main` under `sys.setprofile`: every call of a
 function defined in this project's top-level files is recorded with the project function it was
 called from (calls through torch, DeepSpeed or transformers back into the project count as calls
 from the nearest project frame). The walk reads the call tree depth first, in call order, each
 function once: where it first runs it is read, and its callees with it; a later call of a function
-already read is not a stop. A move is a step of the walk between two files: down into a callee in
-another file, and back up when that callee is done. The report: stops (functions read), files,
-moves, moves back up, and the stops before the first rollout (the loop's `rollout` function, or
-its first sampling call). With --list the walk itself, one line per stop.
+already read is not a stop. A move is a step of the walk from a stop to the next in another file
+(back up: the next stop is also shallower). The report: stops (functions read), files, moves,
+moves back up, and the stops before the training loop (`run.steps()`, just before the first
+rollout). With --list True the walk itself, one line per stop, indented by depth. Measured on
+the commit where grpo.py was 821 lines: grpo 178 stops in 18 files, 87 moves; docs/changing.md
+has today's figures.
 
-Writes bench/out/walk/<loop>.json.
+Writes <out_dir>/<loop>.json (the report and the walk).
 """
 
 import json
@@ -22,12 +25,22 @@ import os
 import socket
 import sys
 import tempfile
+from dataclasses import dataclass, field
+
+from transformers import HfArgumentParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# the first stop of each loop that begins its first rollout
-ROLLOUT = {"grpo": "grpo.rollout", "ppo": "ppo.rollout", "rm": "rm.update"}
+
+@dataclass
+class Args:
+    loop: str = field(default="grpo", metadata={"help": "grpo, ppo or rm: the loop whose main"})
+    list: bool = field(default=False, metadata={"help": "print the walk, one line per stop"})
+    out_dir: str = field(default="bench/out/walk", metadata={"help": "where <loop>.json goes"})
+
+
+LOOP = "harness.Run.steps"  # the training loop's first stop: every loop's `for step in run.steps()`
 
 
 def project_file(path):
@@ -40,7 +53,7 @@ def project_file(path):
 
 def record(main, argv):
     """main(argv) under a profiler: the call tree of project functions, as {parent: [children]}
-    in first-call order, and the root's name."""
+    in first-call order."""
     children, names, stack = {}, {}, []  # frame id -> name; stack of (frame, name)
     seen_edges = set()
 
@@ -96,29 +109,23 @@ def walk(children, root):
 
 
 def moves(order):
-    """(moves, moves back up): a step into a callee in another file, and the return from it."""
-    down = up = 0
-    path = []  # the names on the way down to the current stop
-    for depth, name in order:
-        while len(path) > depth:  # back up to this stop's caller
-            done = path.pop()
-            if path and done.split(".")[0] != path[-1].split(".")[0]:
-                up += 1
-        if path and name.split(".")[0] != path[-1].split(".")[0]:
-            down += 1
-        path.append(name)
-    while len(path) > 1:
-        done = path.pop()
-        if done.split(".")[0] != path[-1].split(".")[0]:
-            up += 1
-    return down + up, up
+    """(moves, moves back up) of a walk [(depth, name)]: a move is the next stop in another file
+    than this one; back up when that stop is also shallower (the reader returns to a caller's
+    file, or to a sibling of the caller, before reading on)."""
+    total = up = 0
+    for (d0, a), (d1, b) in zip(order, order[1:]):
+        if a.split(".")[0] != b.split(".")[0]:
+            total += 1
+            up += d1 < d0
+    return total, up
 
 
-def main():
-    argv = sys.argv[1:]
-    show = "--list" in argv
-    argv = [a for a in argv if a != "--list"]
-    loop, extra = argv[0], argv[argv.index("--") + 1 :] if "--" in argv else []
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses(argv)
+    loop = args.loop
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -131,7 +138,7 @@ def main():
     order = walk(children, f"{loop}.main")
     total, up = moves(order)
     names = [n for _, n in order]
-    first = names.index(ROLLOUT[loop]) if ROLLOUT[loop] in names else len(names)
+    first = names.index(LOOP) if LOOP in names else len(names)
     files = sorted({n.split(".")[0] for n in names})
     report = {
         "loop": loop,
@@ -140,19 +147,20 @@ def main():
         "files": len(files),
         "moves": total,
         "moves_back_up": up,
-        "stops_before_first_rollout": first,
+        "stops_before_the_loop": first,
         "file_list": files,
         "walk": [f"{'  ' * d}{n}" for d, n in order],
     }
-    if show:
+    if args.list:
         print("\n".join(report["walk"]))
     print(
         f"{loop}: {report['stops']} stops in {report['files']} files, {total} moves between "
-        f"files ({up} back up), {first} stops before the first rollout"
+        f"files ({up} back up), {first} stops before the training loop"
     )
-    os.makedirs(os.path.join(ROOT, "bench", "out", "walk"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "out", "walk", f"{loop}.json"), "w") as f:
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"{loop}.json"), "w") as f:
         json.dump(report, f, indent=1)
+    return report
 
 
 if __name__ == "__main__":
