@@ -17,9 +17,11 @@ run cut short keeps what it gave. In the order a short loan needs them:
      of every model's GRPO run (the first model's is c's)
   c  colocated vLLM (sleep/wake), last and alone, where vLLM's CUDA build is installed (a skip
      with its reason elsewhere)
-The runs of c and d start together (one rank each; their start-up, most of a launch's time,
-overlaps): 4 run.sh launches at once on CUDA, 3 on the stand-in, then c's --resume. Each launch's
-wall time is a row of gpu_tier.json, as is each test's and each of the worker's checks'.
+The runs of c and d start together, one rank each (their start-up, most of a launch's time, is
+CPU work and overlaps on a GPU node's cores): 4 run.sh launches on CUDA, 3 on the stand-in, and
+c's --resume, started when the first GRPO run ends; 5 and 4 in all. Each launch's wall time is a
+row of gpu_tier.json, as are each test's, the models' build and each of the worker's checks.
+Budget by reading and CPU times: docs/gpu.md, "Time budget".
 """
 
 import importlib.util
