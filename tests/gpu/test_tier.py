@@ -151,7 +151,9 @@ def each(summary, check, parts):
         try:
             fn()
         except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - reported, then the next
-            summary.add(check, f"{name} failed", str(e)[:2000])
+            msg = str(e)  # its first line and its end, where a run's error is
+            msg = msg if len(msg) <= 2000 else f"{msg[:200]} ... {msg[-1800:]}"
+            summary.add(check, f"{name} failed", msg)
             failed.append(name)
     assert not failed, failed
 
