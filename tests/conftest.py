@@ -7,6 +7,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import types
 
 import pytest
@@ -141,9 +143,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def torchrun(script, *args, nproc=2, timeout=600, env=None):
+def torchrun(script, *args, nproc=2, timeout=600, env=None, on_line=None):
     """Run `script` under `torchrun --nproc_per_node nproc` on CPU; fail the test with its
-    output."""
+    output. on_line: called with each line of its stdout as it comes (the GPU tier records its
+    worker's results so, and a run cut short keeps those it gave)."""
     cmd = [
         sys.executable,
         "-m",
@@ -159,15 +162,37 @@ def torchrun(script, *args, nproc=2, timeout=600, env=None):
         "OMP_NUM_THREADS": "1",
         **(env or {}),
     }
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+    if on_line is None:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+        )
+    else:
+        proc = streamed(cmd, full_env, timeout, on_line)
     if proc.returncode != 0:
         pytest.fail(
             f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}"
             f"\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def streamed(cmd, env, timeout, on_line):
+    """cmd's CompletedProcess, its stdout handed to on_line line by line as it comes (stderr to a
+    file, so neither pipe fills while the other is read); killed after timeout seconds."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True
+        )
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            on_line(line)
+        proc.wait()
+        timer.cancel()
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), err.read())
 
 
 def run_sh(algo, *args, env=None, timeout=600, wait=True):

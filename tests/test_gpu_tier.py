@@ -39,11 +39,11 @@ def test_tier_skips_without_a_device_and_runs_on_the_cpu_stand_in(tmp_path):
     path = os.pathsep.join([str(lacking), os.environ.get("PYTHONPATH", "")])
     proc = tier(tmp_path / "off", on_cpu=False, path="tests", PYTHONPATH=path)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "4 skipped" in proc.stdout and "no CUDA device" in proc.stdout, proc.stdout[-3000:]
+    assert "5 skipped" in proc.stdout and "no CUDA device" in proc.stdout, proc.stdout[-3000:]
     assert not (tmp_path / "off" / "gpu_tier.json").exists()
 
     proc = tier(tmp_path / "on", on_cpu=True)
-    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-6000:]
+    assert proc.returncode == 0 and "4 passed, 1 skipped" in proc.stdout, proc.stdout[-6000:]
     with open(tmp_path / "on" / "gpu_tier.json") as f:
         summary = json.load(f)
     assert summary["mode"] == "cpu stand-in" and "CPU" in summary["device"], summary
@@ -70,9 +70,23 @@ def test_tier_skips_without_a_device_and_runs_on_the_cpu_stand_in(tmp_path):
         "update MFU, ZeRO-3",
         "HF generation tokens/s, ZeRO-3 gathered",
         "HF generation tokens/s, ZeRO-3 sharded",
-        "built-in task update: predicted",
+        "tiny update: predicted",
+        "vLLM GPU paths",
     ):
         assert part in measures, (part, measures)
+    # what a short loan needs most comes first: the worker's parity and benchmark, then b
+    checks = [r["check"] for r in rows]
+    assert checks.index("b") > max(i for i, c in enumerate(checks) if c in "ae"), checks
+    assert min(checks.index("c"), checks.index("d")) > checks.index("b"), checks
+    # the run.sh launches, each one's wall time a row: c's and d's runs started together, then
+    # c's --resume (the stand-in has one model: its GRPO run is both c's and d's)
+    launches = [m for m in measures.split(" | ") if m.startswith("run.sh ")]
+    assert launches == [
+        "run.sh grpo: wall time",
+        "run.sh ppo: wall time",
+        "run.sh grpo-zero2+lora+ckpt: wall time",
+        "run.sh grpo-resume: wall time",
+    ], launches
     with open(tmp_path / "on" / "gpu_tier.md") as f:
         table = f.read()
     assert "| check | measure | value | note |" in table and "not a GPU's" in table, table

@@ -38,10 +38,12 @@ BF16_PEAK_TFLOPS = {
 
 
 def shapes():
-    """The tier's shapes: the issue's on CUDA, small ones on the CPU stand-in."""
+    """The tier's shapes: the issue's on CUDA, small ones on the CPU stand-in. V, N, H: b's
+    matmul; T, B, steps: a's rows and e's benchmark; C: the completion tokens of c's and d's runs
+    at the models' shapes (on CUDA the pretrained recipe's)."""
     if CUDA:
-        return dict(V=151_936, N=8192, H=896, T=2048, B=2, models=("0.5b", "1.5b"), steps=5)
-    return dict(V=16_384, N=1024, H=64, T=640, B=2, models=("tiny",), steps=2)
+        return dict(V=151_936, N=8192, H=896, T=2048, B=2, C=256, models=("0.5b", "1.5b"), steps=5)
+    return dict(V=16_384, N=1024, H=64, T=640, B=2, C=16, models=("tiny",), steps=2)
 
 
 def device_name():

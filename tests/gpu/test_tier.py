@@ -1,23 +1,35 @@
 """The GPU tier: `bash test.sh --gpu` (tests/conftest.py keeps only these tests then). On a CUDA
 device at the issue's shapes; with GPU_TIER_ON_CPU=1 on a CPU stand-in at small shapes; otherwise
-each test skips with its reason. Results are printed as they come and summed up in
-$GPU_TIER_OUT/gpu_tier.json and gpu_tier.md (gpu_tier.Summary; docs/gpu.md, "The GPU tier").
+each test skips with its reason. Results are recorded as they come, the worker's too, in
+$GPU_TIER_OUT/gpu_tier.json and gpu_tier.md (gpu_tier.Summary; docs/gpu.md, "The GPU tier"), so a
+run cut short keeps what it gave. In the order a short loan needs them:
 
   a  bf16 parity on the device: ZeRO-3 partitioned vs a plain load (exact), the trainer's bf16
      log-probs vs an fp32 load's by position bucket (tests/gpu/dist_tier.py)
-  b  the fused log-prob op (logprobs.fused_logps) against naive: values, gradients, peak memory
-  c  both loops end to end through run.sh: one rank, --dtype auto, ZeRO-3, every ledger phase in
-     metrics.jsonl; ZeRO-2, LoRA, gradient checkpointing; a checkpoint and --resume
-  d  the estimate (fit.estimate_kwargs -> estimate.estimate_memory) against the ledger's phases
   e  the step benchmark: the update's tokens/s and MFU at ZeRO 0/2/3, HF generation's tokens/s
-     (tests/gpu/dist_tier.py)
-vLLM's GPU paths run only where vLLM's CUDA build is installed (a skip with its reason here).
+     (the same worker, right after a, alone on the device)
+  b  the fused log-prob op (logprobs.fused_logps) against naive: values, gradients, peak memory
+  c  both loops end to end through run.sh, one rank, --dtype auto, every ledger phase in
+     metrics.jsonl: GRPO at the first model's shape (ZeRO-3, the pretrained recipe) with a
+     checkpoint and --resume one step on; PPO (ZeRO-3) and GRPO with ZeRO-2, LoRA and gradient
+     checkpointing on the built-in task
+  d  the estimate (fit.estimate_kwargs -> estimate.estimate_memory) against the ledger's phases
+     of every model's GRPO run (the first model's is c's)
+  c  colocated vLLM (sleep/wake), last and alone, where vLLM's CUDA build is installed (a skip
+     with its reason elsewhere)
+The runs of c and d start together, one rank each (their start-up, most of a launch's time, is
+CPU work and overlaps on a GPU node's cores): 4 run.sh launches on CUDA, 3 on the stand-in, and
+c's --resume, started when the first GRPO run ends; 5 and 4 in all. Each launch's wall time is a
+row of gpu_tier.json, as are each test's, the models' build and each of the worker's checks.
+Budget by reading and CPU times: docs/gpu.md, "Time budget".
 """
 
 import importlib.util
 import json
 import math
 import os
+import subprocess
+import threading
 import time
 
 import pytest
@@ -33,7 +45,14 @@ ROOT = conftest.ROOT
 SMALL = ["--dtype", "auto", "--prompts_per_rank", "2", "--num_generations", "4",
          "--per_device_train_batch_size", "4", "--num_eval_prompts", "0", "--eval_steps", "0",
          "--save_model", "False"]  # fmt: skip
-STEPS = ["--max_steps", "2" if CUDA else "1"]
+# one step, no checkpoint (nothing resumes these runs; a 1.5B one would write ~20 GB)
+ONE = ["--max_steps", "1", "--save_last", "False"]
+
+
+def model_args(path):
+    """A model of the tier's as `run.sh --model` runs it: the pretrained recipe (gradient
+    checkpointing), answers of C tokens (the recipe's 256 on CUDA)."""
+    return ["--model", path, "--recipe", "pretrained", "--max_completion_length", str(S["C"])]
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +66,15 @@ CHECKS = {
     "test_fused_logprobs_against_naive": "b",
     "test_loops_end_to_end": "c",
     "test_estimate_against_the_ledger": "d",
+    "test_vllm_colocated": "c",
 }
 
 
 @pytest.fixture(autouse=True)
 def wall_time(request, summary):
-    """Each test's wall time a row of gpu_tier.json (the runs a module fixture makes fall to the
-    first test that asks for them), written whether the test passed or not."""
+    """Each test's wall time a row of gpu_tier.json, written whether the test passed or not. A
+    module fixture's work is not in it (pytest sets it up first): the models' build and each
+    run.sh launch have rows of their own."""
     t0 = time.perf_counter()
     yield
     name = request.node.name
@@ -61,25 +82,80 @@ def wall_time(request, summary):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, summary):
     """The tier's models, random weights: Qwen2.5-0.5B and 1.5B shapes on CUDA, a tiny Qwen2 on
     the stand-in."""
     root = tmp_path_factory.mktemp("tier_models")
-    return [build_shape(str(root / name), name) for name in S["models"]]
+    t0 = time.perf_counter()
+    paths = [build_shape(str(root / name), name) for name in S["models"]]
+    summary.add("a", "the tier's models built and saved: wall time", time.perf_counter() - t0, "s")
+    return paths
 
 
-def run(summary, algo, name, *args, env=None):
-    """`bash run.sh algo` on one rank into summary.dir/name; (run dir, output)."""
-    run_dir = os.path.join(summary.dir, name)
+def start(summary, check, name, algo, *args, env=None, run_dir=None):
+    """`bash run.sh algo` on one rank into run_dir (default summary.dir/name) for check (its wall
+    time's row), started: a dict of what the checks read. A thread drains its output as it comes
+    (so no run blocks on a full pipe beside the others) and keeps it, its exit code and wall
+    time."""
+    run_dir = run_dir or os.path.join(summary.dir, name)
     env = {"NPROC": "1", "RUN_DIR": run_dir, **(env or {})}
-    out = conftest.run_sh(algo, *SMALL, *args, env=env)
-    return run_dir, out
+    proc = conftest.run_sh(algo, *SMALL, *args, env=env, wait=False)
+    launch = dict(check=check, name=name, dir=run_dir, args=list(args), t0=time.perf_counter())
+
+    def drain():
+        try:
+            out = proc.communicate(timeout=900)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0] + "\n(killed after 900 s)"
+        launch.update(out=out, rc=proc.returncode, s=time.perf_counter() - launch["t0"])
+
+    launch["thread"] = threading.Thread(target=drain)
+    launch["thread"].start()
+    return launch
 
 
-@pytest.fixture(scope="module")
-def grpo_run(summary):
-    """The default task through `bash run.sh grpo`, ZeRO-3, with a checkpoint at its last step."""
-    return run(summary, "grpo", "grpo", *STEPS, "--save_steps", STEPS[1])
+def wait(summary, *launches):
+    """The launches to their end: each one's wall time a row; its training rows and the ledger's
+    run peaks read now, before a later run in its directory (--resume) adds to them."""
+    for x in launches:
+        x["thread"].join()
+        summary.add(x["check"], f"run.sh {x['name']}: wall time", x["s"], "s")
+        ran = os.path.exists(os.path.join(x["dir"], "metrics.jsonl"))
+        x["rows"], x["peaks"] = (train_rows(x["dir"]), run_peaks(x["dir"])) if ran else ([], None)
+    return launches
+
+
+def finished(launch):
+    """The launch's output; the test fails with its tail unless run.sh exited 0."""
+    if launch["rc"] != 0:
+        pytest.fail(f"run.sh {launch['name']} exited {launch['rc']}\n{launch['out'][-8000:]}")
+    return launch["out"]
+
+
+def run_peaks(run_dir):
+    """The ledger's peak per phase (GiB) that the run wrote at its end ("mem/run_peak/<phase>"),
+    None without one."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        peaks = [r for r in map(json.loads, f) if "mem/highest_phase" in r]
+    if not peaks:
+        return None
+    return {k.split("/")[-1]: v for k, v in peaks[-1].items() if k.startswith("mem/run_peak/")}
+
+
+def each(summary, check, parts):
+    """(name, fn) parts one after another: one that fails is a row "<name> failed" with its
+    message and the next still runs; the test fails at the end with all of them."""
+    failed = []
+    for name, fn in parts:
+        try:
+            fn()
+        except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - reported, then the next
+            msg = str(e)  # its first line and its end, where a run's error is
+            msg = msg if len(msg) <= 2000 else f"{msg[:200]} ... {msg[-1800:]}"
+            summary.add(check, f"{name} failed", msg)
+            failed.append(name)
+    assert not failed, failed
 
 
 def ledger_phases(out):
@@ -88,28 +164,36 @@ def ledger_phases(out):
     return [p.strip().rsplit(" ", 1)[0] for p in line.split("; ", 1)[1].split(",")]
 
 
-def check_run(summary, name, run_dir, out, steps):
-    rows = train_rows(run_dir)
+def check_run(summary, name, launch, steps):
+    out = finished(launch)
+    rows = launch["rows"]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), rows
     phases = ledger_phases(out)
     assert {"rollout", "update"} <= set(phases), phases  # ppo's optimizer steps are in update
     for r in rows:  # every phase of the ledger, every step, measured
         assert all(r[f"mem/{p}"] > 0 for p in phases), (phases, r)
     summary.add("c", f"{name}: exit 0, ledger phases in metrics.jsonl", " ".join(phases))
-    summary.add("c", f"{name}: tokens/s (last step)", float(rows[-1]["tokens_per_s"]), "tok/s")
+    note = "beside the other runs of c and d" if launch["name"] != "grpo-vllm" else ""
+    summary.add(
+        "c", f"{name}: tokens/s (last step)", float(rows[-1]["tokens_per_s"]), "tok/s", note
+    )
     return rows
 
 
 # ---- a and e: parity on the device and the step benchmark (one torchrun, first) ---------------
 def test_parity_and_benchmark(summary, models):
     """Each check of the worker runs on its own: one that fails is a row of gpu_tier.json with
-    its message (after its figures), the others still run; this test fails at the end with all."""
-    proc = conftest.torchrun(
-        os.path.join(ROOT, "tests", "gpu", "dist_tier.py"), S["T"], S["steps"], *models, nproc=1
-    )
-    rows = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    for r in rows:
-        summary.add(**r)
+    its message (after its figures), the others still run; this test fails at the end with all.
+    Each result is recorded as the worker prints it."""
+    rows = []
+
+    def on_line(line):
+        if line.startswith("RESULT "):
+            rows.append(json.loads(line[7:]))
+            summary.add(**rows[-1])
+
+    script = os.path.join(ROOT, "tests", "gpu", "dist_tier.py")
+    conftest.torchrun(script, S["T"], S["steps"], *models, nproc=1, on_line=on_line)
     by = {r["measure"].split(",")[0]: r["value"] for r in rows}
     failed = [f"{r['measure']}: {r['value']}" for r in rows if r["measure"].endswith(" failed")]
     assert not failed, failed
@@ -197,33 +281,86 @@ def liger(summary, hidden, weight, targets, naive_logp):
     summary.add("b", "peak memory, Liger-Kernel forward + backward", peak, "GiB")
 
 
+# ---- c and d: the runs, started together ----------------------------------------------------
+@pytest.fixture(scope="module")
+def launches(summary, models):
+    """c's and d's runs, started at once: GRPO at each model's shape (ZeRO-3; the first model's
+    with a checkpoint at its step, and when it ends its --resume one step on; the others d's
+    alone), PPO and GRPO with ZeRO-2, LoRA and gradient checkpointing on the built-in task;
+    waited for. {name: launch}."""
+    first, *rest = models
+    zero2 = {"DS_CONFIG": "configs/zero2.json"}
+    grpo = start(summary, "c", "grpo", "grpo", "--max_steps", "1", "--save_steps", "1",
+                 *model_args(first))  # fmt: skip
+    others = [
+        start(summary, "c", "ppo", "ppo", *ONE),
+        start(summary, "c", "grpo-zero2+lora+ckpt", "grpo", *ONE, "--lora_r", "8",
+              "--gradient_checkpointing", "True", env=zero2),
+    ]  # fmt: skip
+    for m in rest:
+        others.append(
+            start(summary, "d", f"grpo-{os.path.basename(m)}", "grpo", *ONE, *model_args(m))
+        )
+    wait(summary, grpo)
+    if grpo["rc"] == 0:  # beside the others still running
+        args = ["--max_steps", "2", "--resume", "True", "--save_last", "False", *model_args(first)]
+        others.append(start(summary, "c", "grpo-resume", "grpo", *args, run_dir=grpo["dir"]))
+    return {x["name"]: x for x in [grpo, *wait(summary, *others)]}
+
+
 # ---- c: both loops end to end ------------------------------------------------------------------
-def test_loops_end_to_end(summary, grpo_run):
-    steps = int(STEPS[1])
-    run_dir, out = grpo_run
-    check_run(summary, "grpo ZeRO-3", run_dir, out, steps)
-    ppo_dir, out = run(summary, "ppo", "ppo", *STEPS)
-    check_run(summary, "ppo ZeRO-3", ppo_dir, out, steps)
-    # --resume from the grpo run's checkpoint at its last step, one step more
-    out = conftest.run_sh("grpo", *SMALL, "--max_steps", str(steps + 1), "--resume", "True",
-                          env={"NPROC": "1", "RUN_DIR": run_dir})  # fmt: skip
-    assert f"step {steps + 1}/{steps + 1}" in out, out[-3000:]
-    rows = train_rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, steps + 2)), rows
-    summary.add("c", "grpo --resume from the last checkpoint: steps in metrics.jsonl", len(rows))
-    # ZeRO-2, LoRA and gradient checkpointing: one run of all three, one step (a launch costs
-    # 35-50 s on a GPU, most of it start-up)
-    args = ["--max_steps", "1", "--lora_r", "8", "--gradient_checkpointing", "True"]
-    d, out = run(
-        summary, "grpo", "grpo-zero2+lora+ckpt", *args, env={"DS_CONFIG": "configs/zero2.json"}
-    )
-    check_run(summary, "grpo zero2+lora+ckpt", d, out, 1)
-    vllm(summary)
+def test_loops_end_to_end(summary, launches):
+    grpo = launches["grpo"]
+
+    def resume():  # from the grpo run's checkpoint at its step, one step more
+        finished(grpo)
+        resumed = launches["grpo-resume"]
+        out = finished(resumed)
+        assert "step 2/2" in out, out[-3000:]
+        rows = resumed["rows"]
+        assert [r["step"] for r in rows] == [1, 2], rows
+        what = "grpo --resume from the last checkpoint: steps in metrics.jsonl"
+        summary.add("c", what, len(rows))
+
+    variants = launches["grpo-zero2+lora+ckpt"]
+    each(summary, "c", [
+        ("grpo ZeRO-3", lambda: check_run(summary, "grpo ZeRO-3", grpo, 1)),
+        ("ppo ZeRO-3", lambda: check_run(summary, "ppo ZeRO-3", launches["ppo"], 1)),
+        ("grpo zero2+lora+ckpt", lambda: check_run(summary, "grpo zero2+lora+ckpt", variants, 1)),
+        ("grpo --resume", resume),
+    ])  # fmt: skip
 
 
-def vllm(summary):
-    """vLLM's GPU paths (colocated sleep/wake, server mode, NCCL weight transfer) need its CUDA
-    build: tests/test_gpu_paths.py and the e2e tests run them where it is installed."""
+# ---- d: the estimate against the ledger --------------------------------------------------------
+def test_estimate_against_the_ledger(summary, launches, models):
+    from estimate import estimate_memory
+    from fit import estimate_kwargs
+    from grpo import memory_models, parse_args
+    from memory import GB
+
+    def estimate(name, launch):
+        finished(launch)
+        measured = launch["peaks"]  # read before c's --resume added to the first run's metrics
+        assert measured, f"run.sh {launch['name']} wrote no mem/run_peak row"
+        args = parse_args(["--ds_config", "configs/zero3.json", *SMALL, *launch["args"]])
+        predicted = estimate_memory(**estimate_kwargs(args, 1, memory_models(args)))["phases"]
+        assert set(measured) <= set(predicted), (measured, predicted)  # every phase predicted
+        note = "" if CUDA else "CPU: measured is the process RSS, ~0.5 GiB runtime included"
+        for phase, gb in measured.items():
+            p = predicted[phase] / GB
+            what = f"{name} {phase}: predicted {p:.3f} GiB, measured {gb:.3f} GiB, error"
+            summary.add("d", what, (p - gb) / gb, "", note)
+
+    names = [os.path.basename(m) for m in models]
+    runs = [launches["grpo"]] + [launches[f"grpo-{n}"] for n in names[1:]]
+    each(summary, "d", [(n, lambda n=n, x=x: estimate(n, x)) for n, x in zip(names, runs)])
+
+
+# ---- c, last: colocated vLLM -------------------------------------------------------------------
+def test_vllm_colocated(summary):
+    """vLLM's GPU paths (colocated sleep/wake) need its CUDA build: tests/test_gpu_paths.py and
+    the e2e tests run them where it is installed. Last and alone: vLLM takes a share of the
+    device's memory. Two steps: the second wakes the engine the first put to sleep."""
     try:
         from vllm.platforms import current_platform
 
@@ -233,44 +370,7 @@ def vllm(summary):
     if not CUDA or platform != "cuda":
         why = "no CUDA device" if not CUDA else f"vLLM's CUDA build is not installed ({platform})"
         summary.add("c", "vLLM GPU paths", "skipped", "", why)
-        return
-    d, out = run(summary, "grpo", "grpo-vllm", *STEPS, "--use_vllm", "True")
-    check_run(summary, "grpo vLLM colocated (sleep/wake)", d, out, int(STEPS[1]))
-
-
-# ---- d: the estimate against the ledger --------------------------------------------------------
-def test_estimate_against_the_ledger(summary, grpo_run, models):
-    from estimate import estimate_memory
-    from fit import estimate_kwargs
-    from grpo import memory_models, parse_args
-    from memory import GB
-
-    runs = [("built-in task", [], grpo_run)]  # the stand-in: the tiny task's run of c
-    if CUDA:  # the Qwen2.5 shapes, random weights
-        runs = []
-        for m in models:
-            name = os.path.basename(m)
-            runs.append(
-                (
-                    name,
-                    ["--model", m],
-                    run(summary, "grpo", f"grpo-{name}", "--max_steps", "1", "--model", m),
-                )
-            )
-    for name, model_args, (run_dir, _) in runs:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            peaks = [r for r in map(json.loads, f) if "mem/highest_phase" in r][-1]
-        measured = {k.split("/")[-1]: v for k, v in peaks.items() if k.startswith("mem/run_peak/")}
-        args = parse_args(["--ds_config", "configs/zero3.json", *SMALL, *model_args])
-        predicted = estimate_memory(**estimate_kwargs(args, 1, memory_models(args)))["phases"]
-        assert set(measured) <= set(predicted), (measured, predicted)  # every phase predicted
-        note = "" if CUDA else "CPU: measured is the process RSS, ~0.5 GiB runtime included"
-        for phase, gb in measured.items():
-            p = predicted[phase] / GB
-            summary.add(
-                "d",
-                f"{name} {phase}: predicted {p:.3f} GiB, measured {gb:.3f} GiB, error",
-                (p - gb) / gb,
-                "",
-                note,
-            )
+        pytest.skip(why)
+    args = ["--max_steps", "2", "--save_last", "False", "--use_vllm", "True"]
+    x = wait(summary, start(summary, "c", "grpo-vllm", "grpo", *args))[0]
+    check_run(summary, "grpo vLLM colocated (sleep/wake)", x, 2)
