@@ -178,12 +178,19 @@ def torchrun(script, *args, nproc=2, timeout=600, env=None, on_line=None):
 
 def streamed(cmd, env, timeout, on_line):
     """cmd's CompletedProcess, its stdout handed to on_line line by line as it comes (stderr to a
-    file, so neither pipe fills while the other is read); killed after timeout seconds."""
+    file, so neither pipe fills while the other is read); killed after timeout seconds, with its
+    workers (its own process group: a worker left alive would hold stdout open)."""
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
         )
-        timer = threading.Timer(timeout, proc.kill)
+        timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
         timer.start()
         lines = []
         for line in proc.stdout:
