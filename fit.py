@@ -14,8 +14,9 @@ never change the update from the ledger's measured peaks. Shared by grpo.py and 
 `args` is never written: the knobs in effect are a `Knobs` (the flags' names and values, as given
 or as fitted), which the loops read wherever memory is at stake. `models` says what the loop
 builds beside the policy: "reference" (a frozen copy of the policy), "critic" (a trained value
-model), "reward_model" (a path), and "phases" (the loop's ledger phases as groups of the
-estimate's, when they differ from the estimate's own names).
+model: True, the policy's body; "reward_model", the reward model's), "reward_model" (a path),
+and "phases" (the loop's ledger phases as groups of the estimate's, when they differ from the
+estimate's own names).
 
 The pre-flight walks a ladder of knob changes in an order of cost taken from the measured
 tables (docs/memory.md, "Fit to a budget"), cheapest first, and takes the first change that lowers
@@ -215,7 +216,9 @@ def estimate_kwargs(args, world, models, knobs=None, gpu_gb=0.0):
         logprob_chunk=(knobs.logprob_chunk_size or DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE),
         fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False),
         reference_model=bool(models.get("reference")),
-        critic_config=(rm or config) if models.get("critic") else None,
+        critic_config=(rm if models.get("critic") == "reward_model" else config)
+        if models.get("critic")
+        else None,
         reward_config=rm,
         teacher_config=teacher,  # GRPO's distillation teacher: its own phase, from its own shape
         phase_groups=models.get("phases"),

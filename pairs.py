@@ -36,8 +36,12 @@ PAIR_SHAPE = 'each row is {"prompt": ..., "chosen": ..., "rejected": ...}'
 
 
 def task_pairs(num_eval, seed=0):
-    """The built-in task as pairs: the answer ("8" for "835=") preferred to a completion the
-    task's rule scores lower: each wrong digit, the answer followed by more, two wrong characters.
+    """The built-in task as pairs, ordered by the task's rule (tasks.py: format 0.25, correct 0.75)
+    over the completions the policy writes (one character and eos, or two characters): for each
+    character w other than the answer, the answer ("8" for "835=") preferred to w, and the answer
+    followed by a character preferred to w followed by one (correct preferred to wrong, at both
+    lengths: PPO's early completions are mostly two characters, and the task counts "8x" right);
+    then the answer preferred to the answer followed by more, twice (the format reward).
     Held out first: one pair (a random one of these) for each of default_task's held-out prompts,
     so the loops' held-out prompts stay unseen; then every pair of each training prompt, shuffled.
     Cut to the loops' 2 completion tokens (rm.py's default), a two-character answer ends without
@@ -45,24 +49,23 @@ def task_pairs(num_eval, seed=0):
     rng = random.Random(seed + 1)
     chars = "0123456789="
 
-    def rejected(answer):
-        wrong = [d for d in "0123456789" if d != answer]
-        more = [answer + rng.choice(chars) for _ in range(2)]
-        return wrong + more + [rng.choice(chars.replace(answer, "")) + rng.choice(chars)]
+    def pairs(answer):
+        out = []
+        for w in chars.replace(answer, ""):
+            out.append((answer, w))
+            out.append((answer + rng.choice(chars), w + rng.choice(chars)))
+        out += [(answer, answer + rng.choice(chars)) for _ in range(2)]
+        return out
 
     train, held = default_task(num_eval, seed)
-    rows = [
-        {
-            "prompt": r["prompt"],
-            "chosen": r["answer"],
-            "rejected": rng.choice(rejected(r["answer"])),
-        }
-        for r in held
-    ]
+    rows = []
+    for r in held:
+        chosen, rejected = rng.choice(pairs(r["answer"]))
+        rows.append({"prompt": r["prompt"], "chosen": chosen, "rejected": rejected})
     rest = [
-        {"prompt": r["prompt"], "chosen": r["answer"], "rejected": x}
+        {"prompt": r["prompt"], "chosen": c, "rejected": x}
         for r in train
-        for x in rejected(r["answer"])
+        for c, x in pairs(r["answer"])
     ]
     rng.shuffle(rest)
     return [{**r, "index": i} for i, r in enumerate(rows + rest)]

@@ -9,7 +9,8 @@ values without gradients, turns them into per-token rewards -kl_coef * (logp - r
 score at the last completion token), GAE advantages (whitened over the whole batch, all ranks)
 and returns, then runs `ppo_epochs` passes of `num_mini_batches` optimizer steps per model:
 clipped policy loss on the actor, clipped value loss on the critic (docs/ppo.md). The critic is
-the reward model's body and score head, or the actor's body with a zero value head (critic.py);
+the actor's body with a zero value head, or with --critic_from_reward_model the reward model's
+body and score head (critic.py);
 the reference is a frozen copy of the actor, or with LoRA the actor with its adapters off.
 harness.py runs the rest (set-up, logging, held-out evaluation, checkpoints).
 
@@ -22,6 +23,10 @@ Departures from the paper and why:
   token the value is 0 (the episode ends).
 - Loss sums are divided by the WHOLE mini-batch's token count (all micro-batches, all ranks), so
   the update does not depend on how it is split into micro-batches (docs/accumulation.md).
+- The critic starts as the actor with a zero value head even with --reward_model (InstructGPT and
+  OpenRLHF start it as the reward model: --critic_from_reward_model True): a reward model is
+  trained on finished responses only, so its head's values at earlier positions are arbitrary
+  (docs/reward-model.md measures what that costs).
 - One epoch of one mini-batch without KL is on-policy: the update's own forward gives the old
   log-probs (needs_old_logps), one actor pass fewer.
 Limits: the reward model must share the actor's tokenizer (token ids are passed as they are).
@@ -188,6 +193,9 @@ class Args(harness.RunArgs):
         "sequence-classification reward model (1 label, the actor's tokenizer); empty: "
         "rule-based reward_funcs",
     )
+    critic_from_reward_model: bool = arg(
+        False, "the critic starts as --reward_model (body, score head); False: the actor's body"
+    )
     prompts_per_rank: int = arg(32, "prompts per rank per step", ">= 1")
     num_generations: int = arg(4, "G, the group size: completions per prompt", ">= 1")
     kl_coef: float = arg(
@@ -229,6 +237,8 @@ def parse_args(argv=None):
         raise RunError(
             "--reward_weights weighs reward functions; a --reward_model's score has none"
         )
+    if args.critic_from_reward_model and not args.reward_model:
+        raise RunError("--critic_from_reward_model True needs a --reward_model to start from")
     return args
 
 
@@ -245,7 +255,7 @@ def memory_models(args):
     """What this loop builds beside the actor, for the pre-flight's estimate and checks."""
     return {
         "reference": args.kl_coef > 0 and not args.lora_r,
-        "critic": True,
+        "critic": "reward_model" if args.critic_from_reward_model else True,
         "reward_model": args.reward_model,
         "mini_batches": args.num_mini_batches,
         "phases": PHASES,
@@ -430,13 +440,14 @@ def main(argv=None):
     run = harness.Run(args, memory_models(args))  # process group, every input checked
     actor = run.load()
     rm_path = args.reward_model
+    critic_path = rm_path if args.critic_from_reward_model else run.model_path
     critic = build_critic(
-        rm_path or run.model_path,
-        bool(rm_path),
+        critic_path,
+        args.critic_from_reward_model,
         run.dtype,
-        attn_implementation_for(rm_path or run.model_path, args.attn_implementation),
+        attn_implementation_for(critic_path, args.attn_implementation),
         ds_config=run.ds_config if args.partitioned_loading and run.stage == 3 else None,
-    )  # the reward model's body and head, or the actor's body and a zero value head
+    )  # the actor's body and a zero value head, or the reward model's body and head
     if run.knobs.gradient_checkpointing:
         enable_gradient_checkpointing(critic.body)
     if args.lora_r:  # adapters on the actor and on the critic's body (its value head trains)

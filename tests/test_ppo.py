@@ -259,7 +259,8 @@ def test_accumulation_equivalence_deepspeed(tiny_model):
 def test_estimate_memory_flag_counts_critic_and_reward_model(capsys, monkeypatch, tmp_path):
     """--estimate_memory for PPO: ppo.py's phases, with the trained critic (params, grads, Adam
     like the actor's) and a frozen reward model in every phase; --frozen_offload moves the
-    reference and reward shards out."""
+    reference and reward shards out. The critic is the policy's shape, or the reward model's with
+    --critic_from_reward_model True."""
     import json
 
     from conftest import ROOT
@@ -272,6 +273,14 @@ def test_estimate_memory_flag_counts_critic_and_reward_model(capsys, monkeypatch
     (rm / "config.json").write_text(json.dumps(PRESETS["qwen2.5-0.5b"]))
     argv = ["--estimate_memory", "True", "--model", "qwen2.5-1.5b", "--dtype", "bf16"]
     argv += ["--ds_config", os.path.join(ROOT, "configs", "zero3.json"), "--reward_model", str(rm)]
+    own = main(argv)["pieces"]["critic"]  # the critic: the policy's body + a zero value head
+    q = model_shape("qwen2.5-1.5b")
+    n = q["N"] - (0 if q["tied"] else q["embed_params"]) + q["H"]
+    assert own == n * 2 // 2 + n * 2 // 2 + 12 * n // 2
+    argv += ["--critic_from_reward_model", "True"]
+    with pytest.raises(ppo.RunError, match="needs a --reward_model"):
+        ppo.parse_args(["--critic_from_reward_model", "True"])
+    capsys.readouterr()
     est = main(argv)
     out = capsys.readouterr().out
     assert "logprobs" in out and "update" in out and "highest phase" in out

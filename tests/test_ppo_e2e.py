@@ -137,6 +137,8 @@ def test_zero3_reward_model_packing_offload(tmp_path):
         "2",
         "--reward_model",
         rm,
+        "--critic_from_reward_model",
+        "True",
         "--packing",
         "True",
         "--gradient_checkpointing",
@@ -169,7 +171,8 @@ def test_zero3_reward_model_packing_offload(tmp_path):
     for r in rows:
         assert "accuracy" not in r and r["reward_std"] > 0  # model scores, not rule-based
         assert r["value_loss"] > 0 and r["entropy"] > 0
-    # the critic starts as the reward model (body and score head): its values are not all zero
+    # --critic_from_reward_model: the critic starts as the reward model (body and score head),
+    # its values not all zero
     assert rows[0]["value_mean"] != 0.0
     saved = json.load(open(tmp_path / "r" / "args.json"))
     assert saved["packing"] is True and saved["max_tokens_per_microbatch"] == 24

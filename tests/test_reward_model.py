@@ -59,4 +59,4 @@ def test_worked_example_runs_ppo(tmp_path, tiny_model):
     )
     (row,) = train_rows(run_dir)
     assert "accuracy" not in row and row["reward_std"] > 0  # the model's scores, not the rules'
-    assert row["value_mean"] != 0.0  # the critic starts as the reward model (its score head)
+    assert row["value_mean"] == 0.0  # the critic starts as the actor, with a zero value head

@@ -113,21 +113,50 @@ def test_accumulation_equivalence_deepspeed(task_rm):
 
 
 def test_task_pairs_prefer_what_the_task_rewards():
-    """The built-in pairs: the chosen answer scores 1 on both task rewards, the rejected less;
-    one held-out pair per held-out prompt of the loops, prompts that training never sees."""
+    """The built-in pairs: the task's rule (0.25 format + 0.75 correct) scores every chosen
+    completion above its rejected one; per training prompt, the answer over each of the 10 other
+    characters, a correct two-character completion over a wrong one for each of them, and the
+    answer over the answer followed by more twice; one held-out pair per held-out prompt of the
+    loops, prompts that training never sees."""
+    from collections import Counter
+
     from tasks import default_task
 
     rows = task_pairs(200, 0)
     held, train = rows[:200], rows[200:]
     assert [r["prompt"] for r in held] == [r["prompt"] for r in default_task(200, 0)[1]]
     assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}
-    assert len(train) == 800 * 12
+    assert len(train) == 800 * 22
     answers = [max(r["prompt"][:-1]) for r in rows]
-    for side, want in (("chosen", True), ("rejected", False)):
+    rule = {}
+    for side in ("chosen", "rejected"):
         texts = [r[side] for r in rows]
         right = correct_reward(None, texts, answers)
         fmt = format_reward(None, texts, answers)
-        assert all((c == 1 and f == 1) == want for c, f in zip(right, fmt)), side
+        rule[side] = [0.25 * f + 0.75 * c for f, c in zip(fmt, right)]
+    assert all(c > r for c, r in zip(rule["chosen"], rule["rejected"]))
+
+    def kind(r, a):
+        c, x = r["chosen"], r["rejected"]
+        if c == a and len(x) == 1:
+            return "answer over a wrong character"
+        if len(c) == len(x) == 2 and c[0] == a != x[0]:
+            return "correct over wrong, two characters"
+        assert c == a and len(x) == 2 and x[0] == a, r
+        return "answer over the answer followed by more"
+
+    kinds = Counter(kind(r, a) for r, a in zip(train, answers[200:]))
+    assert kinds == Counter(
+        {
+            "answer over a wrong character": 8000,
+            "correct over wrong, two characters": 8000,
+            "answer over the answer followed by more": 1600,
+        }
+    )
+    firsts = Counter(
+        r["rejected"][0] for r, a in zip(train, answers[200:]) if len(r["rejected"]) == 1
+    )
+    assert set(firsts) == set("0123456789=")  # every other character, "=" included
 
 
 def write_formats(tmp_path, rows):
