@@ -137,6 +137,22 @@ def tiny_reward_model(tmp_path_factory):
     return build_tiny(str(tmp_path_factory.mktemp("tiny_rm") / "model"), reward_model=True)
 
 
+# a short end-to-end run's shape: 2 prompts x 4 completions per rank, 8 held out, no mid-run
+# evaluation (the e2e tests add --max_steps and what they test)
+SMALL = [
+    "--prompts_per_rank",
+    "2",
+    "--num_generations",
+    "4",
+    "--num_eval_prompts",
+    "8",
+    "--per_device_train_batch_size",
+    "4",
+    "--eval_steps",
+    "0",
+]
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,20 +11,7 @@ import json
 import os
 
 import conftest
-from conftest import train_rows
-
-SMALL = [
-    "--prompts_per_rank",
-    "2",
-    "--num_generations",
-    "4",
-    "--num_eval_prompts",
-    "8",
-    "--per_device_train_batch_size",
-    "4",
-    "--eval_steps",
-    "0",
-]
+from conftest import SMALL, train_rows
 
 
 def rows(run_dir):

@@ -15,20 +15,7 @@ import json
 import pytest
 
 import conftest
-from conftest import finish, free_port, train_rows
-
-SMALL = [
-    "--prompts_per_rank",
-    "2",
-    "--num_generations",
-    "4",
-    "--num_eval_prompts",
-    "8",
-    "--per_device_train_batch_size",
-    "4",
-    "--eval_steps",
-    "0",
-]
+from conftest import SMALL, finish, free_port, train_rows
 
 
 def run_sh(*args, **kw):
