@@ -61,9 +61,10 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     train_rows, eval_rows = rows[n_eval:], rows[:n_eval]
     # what is wrong with the rows, reported together once the tokenizer has read them too
     problems = [size_problem(args.data, rows, n_eval, train=args.max_steps > 0)]
-    problems.append(answer_problem(funcs, rows, args.data, args.answer_field))
+    held = held_out_warning(n_eval, len(rows), train=args.max_steps > 0)  # printed below
     # no --model: a tiny one from scratch
     model_path = task_model(args.model, args.run_dir, rank, args.seed)
+    problems.append(answer_problem(funcs, rows, args.data, args.answer_field))
     config = check_model_path(model_path)
     tokenizer = load_tokenizer(model_path, args.pad_token)
     for flag, path in (("--reward_model", reward_model), ("--teacher_model", teacher)):
@@ -81,7 +82,6 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     unknown, unread = unknown_tokens(tokenizer, rows, args, model_path)
     problems.append(unknown)
     check_data(problems)
-    held = held_out_warning(n_eval, len(rows), train=args.max_steps > 0)
     for warning in (held, unread, long_prompt_warning(lengths, args.max_prompt_length)):
         if warning and rank == 0:
             print(warning, file=sys.stderr)

@@ -57,6 +57,7 @@ from checks import (
     check_inputs,
     check_partitioned_loading,
     check_vllm,
+    read_ds_json,
     training_dtype,
 )
 from exits import RunError
@@ -213,8 +214,7 @@ def deepspeed_config(args, knobs, world, hidden_size, dtype, lr, mini_batches=1)
     (a concrete value that contradicts them is a ValueError from zero3_utils.load_ds_config);
     mini_batches: optimizer steps per rollout batch (PPO's num_mini_batches)."""
     with open(args.ds_config) as f:
-        raw = json.load(f)
-    check_global_batch(raw, args.ds_config, world * mini_batches, args.num_generations)
+        raw = json.load(f)  # read_ds_json and check_global_batch passed in the pre-flight
     rank_batch = args.prompts_per_rank * args.num_generations / mini_batches  # per optimizer step
     fill = {
         "train_micro_batch_size_per_gpu": knobs.per_device_train_batch_size,
@@ -252,18 +252,22 @@ class Inputs:
 
 def preflight(args, rank, world, models, say=print):
     """Every input checked before a model loads or a step runs, each failure a RunError saying what
-    to change, in one pass: the inputs (vLLM, run_dir, data, models, tokenizer, rewards), then
-    the memory estimate and the fit (--memory_budget_gb, fit.py), then the DeepSpeed JSON with the
-    fitted knobs and the resume. `models`: what the loop builds beside the policy (fit.py)."""
-    check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
+    to change, in one pass: the inputs (run_dir, vLLM, data, models, tokenizer, rewards, whole
+    groups in the JSON's batch), then the memory estimate and the fit (--memory_budget_gb,
+    fit.py), then the DeepSpeed JSON with the fitted knobs and the resume. `models`: what the
+    loop builds beside the policy (fit.py)."""
     # before anything is written there
     check_new_run(args.run_dir, args.resume, args.overwrite, evaluate=not args.max_steps)
+    check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
     beside = [models.get(k, "") for k in ("reward_model", "env", "teacher")]
     # rm.py trains on preference pairs (pairs.py), the loops on prompts
     found = check_pairs(args, rank) if models.get("pairs") else check_inputs(args, rank, *beside)
     dtype = training_dtype(args.dtype)
+    mini = models.get("mini_batches", 1)  # whole groups on every rank in each optimizer step
+    check_global_batch(
+        read_ds_json(args.ds_config), args.ds_config, world * mini, args.num_generations
+    )
     knobs, _ = fit_to_budget(args, world, models, say)  # the knobs as given, or fitted
-    mini = models.get("mini_batches", 1)
     ds = check_ds_config(
         lambda: deepspeed_config(
             args, knobs, world, found["config"].hidden_size, dtype, args.learning_rate, mini

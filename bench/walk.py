@@ -12,10 +12,10 @@ from the nearest project frame). The walk reads the call tree depth first, in ca
 function once: where it first runs it is read, and its callees with it; a later call of a function
 already read is not a stop. A move is a step of the walk from a stop to the next in another file
 (back up: the next stop is also shallower). The report: stops (functions read), files, moves,
-moves back up, and the stops before the training loop (`run.steps()`, just before the first
-rollout). With --list True the walk itself, one line per stop, indented by depth. Measured on
-the commit where grpo.py was 821 lines: grpo 178 stops in 18 files, 87 moves; docs/changing.md
-has today's figures.
+moves back up, the stops before the training loop (`run.steps()`, just before the first
+rollout), and the moves under each call `main` makes. With --list True the walk itself, one line
+per stop, indented by depth. Measured on the commit where grpo.py was 821 lines: grpo 178 stops
+in 18 files, 87 moves; docs/changing.md has today's figures.
 
 Writes <out_dir>/<loop>.json (the report and the walk).
 """
@@ -120,6 +120,18 @@ def moves(order):
     return total, up
 
 
+def moves_by_call(order):
+    """{stop main calls: moves} of a walk [(depth, name)]: each move counted under the call of
+    `main` (a depth-1 stop) whose reading it is part of, the move into that call included. Where a
+    reader's file changes concentrate: the pre-flight under `Run`, say, or the update."""
+    by_call, call = {}, None
+    for (_, a), (d1, b) in zip(order, order[1:]):
+        call = b if d1 == 1 else call
+        if a.split(".")[0] != b.split(".")[0]:
+            by_call[call] = by_call.get(call, 0) + 1
+    return by_call
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -148,6 +160,7 @@ def main(argv=None):
         "moves": total,
         "moves_back_up": up,
         "stops_before_the_loop": first,
+        "moves_by_call": moves_by_call(order),
         "file_list": files,
         "walk": [f"{'  ' * d}{n}" for d, n in order],
     }
@@ -157,6 +170,8 @@ def main(argv=None):
         f"{loop}: {report['stops']} stops in {report['files']} files, {total} moves between "
         f"files ({up} back up), {first} stops before the training loop"
     )
+    calls = sorted(report["moves_by_call"].items(), key=lambda kv: -kv[1])
+    print("moves under each call of main: " + ", ".join(f"{c} {n}" for c, n in calls))
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{loop}.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -23,6 +23,8 @@ def test_walk_reads_each_function_once_and_counts_file_changes():
     # a -> b, b -> c, c -> b (same depth: not back up), b -> a (shallower: back up)
     assert walk.moves(order) == (4, 1)
     assert walk.moves([(0, "a.x")]) == (0, 0)
+    # a -> b, b -> c, c -> b under main's call of b.f; b -> a into a.g; a.m stays in a
+    assert walk.moves_by_call(order) == {"b.f": 3, "a.g": 1}
 
 
 def test_walk_of_a_real_grpo_step(tmp_path):
@@ -45,3 +47,7 @@ def test_walk_of_a_real_grpo_step(tmp_path):
     files = {s.split(".")[0] for s in stops}
     assert report["files"] == len(files) and sorted(files) == report["file_list"]
     assert f"{report['moves']} moves between files" in out.stdout
+    # every move is under one of main's calls; the pre-flight's under Run's
+    assert sum(report["moves_by_call"].values()) == report["moves"]
+    assert set(report["moves_by_call"]) <= {s.strip() for s in report["walk"] if s[:2] == "  "}
+    assert report["moves_by_call"]["harness.Run.__init__"] > 0
