@@ -124,12 +124,7 @@ ASYNC = [
     "8",
     "--save_steps",
     "2",
-    "--prompts_per_rank",
-    "2",
-    "--num_generations",
-    "4",
-    "--num_eval_prompts",
-    "8",
+    *conftest.SMALL[:6],  # prompts per rank, completions, held-out prompts
     "--eval_steps",
     "3",
     "--save_model",
