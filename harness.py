@@ -144,6 +144,17 @@ class RunArgs:
     attn_implementation: str = arg("sdpa", "sdpa, eager or flash_attention_2 (CUDA, flash-attn)")
     partitioned_loading: bool = arg(True, "ZeRO-3: each rank reads only its shard (zero3_load.py)")
     packing: bool = arg(False, "micro-batches as one row, no padding")
+    # long sequences (docs/long-context.md)
+    sequence_parallel_size: int = arg(
+        1,
+        "S: ranks that share every sequence, each computing 1/S of its tokens (DeepSpeed "
+        "Ulysses); the world splits into world / S data-parallel groups",
+        ">= 1",
+    )
+    activation_offload: bool = arg(
+        False, "gradient checkpoints (layer inputs) kept in host memory until backward"
+    )
+    tiled_mlp: bool = arg(False, "each MLP computed in sequence tiles (DeepSpeed's TiledMLP)")
     lora_r: int = arg(0, "> 0: train LoRA adapters of this rank only (peft)", ">= 0")
     lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
     lora_target_modules: str = arg("all-linear", "peft target_modules")
