@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import sequence_parallel
 from generation import Generations
 from logprobs import model_logps
 from zero3_utils import all_max, all_reduce_
@@ -286,6 +287,8 @@ def forward_logps(
     an earlier scoring found them, else found now and set there (on the CPU), so a later forward
     of the same rows (a micro-batch of the update, another iteration) uses the same cut."""
     kw = dict(temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size)
+    if sequence_parallel.layout() is not None:  # this rank scores its 1/S of the row
+        return _sliced_logps(model, mb, device, kw)
     found = mb.get("sampling_thresholds")  # (b, c, 2) or None: (tau, n) per token
     if top_k > 0 or top_p < 1:
         kw.update(top_k=top_k, top_p=top_p, return_thresholds=True)
@@ -318,6 +321,26 @@ def forward_logps(
     if cut is not None:
         mb["sampling_thresholds"] = torch.stack([unpack(c, cm) for c in cut.unbind(1)], -1).cpu()
     return tuple(out) if return_entropy else out[0]
+
+
+def _sliced_logps(model, mb, device, kw):
+    """forward_logps under sequence parallelism (sequence_parallel.py): the micro-batch as one
+    row (one sequence, or several packed where the attention reads position ids), each rank of
+    the group scoring its slice with the tokens its positions predict, gathered: (b, c)."""
+    ids, pos, where = pack(mb)  # (1, N), (1, N), (M,)
+
+    def score(ids, pos, targets):  # (1, n) each: this rank's slice
+        ids, pos, targets = ids.to(device), pos.to(device), targets.to(device)
+        n = ids.shape[1]
+        return model_logps(model, ids, None, n, position_ids=pos, targets=targets, **kw)
+
+    out = sequence_parallel.row_forward(score, ids, pos)  # (1, N) each: token j + 1 at j
+    out = [unpack(x[0, where.to(device)], mb["completion_mask"]) for x in _listed(out)]  # (b, c)
+    return tuple(out) if kw["return_entropy"] else out[0]
+
+
+def _listed(out):
+    return list(out) if isinstance(out, tuple) else [out]
 
 
 def unpack(flat, completion_mask):

@@ -153,9 +153,9 @@ def generate_hf(
 ):
     """Batched, left-padded `model.generate`, batch_size sequences per call, G per prompt.
 
-    synced_gpus=None: on when the model is ZeRO-3 sharded across several ranks; then ranks also
-    agree on the number of calls (a rank with fewer chunks generates from a dummy prompt), so
-    no rank leaves a collective early.
+    synced_gpus=None: on when the model is ZeRO-3 sharded across several ranks. Under ZeRO-3
+    ranks also agree on the number of calls (a rank with fewer chunks, or no prompt, generates
+    from a dummy prompt), so no rank leaves a collective early.
     """
     from transformers import GenerationConfig
 
@@ -189,7 +189,10 @@ def generate_hf(
 
     seqs = [p for p in prompts for _ in range(num_generations)]  # prompt-major: row i*G + g
     chunks = [seqs[i : i + batch_size] for i in range(0, len(seqs), batch_size)]
-    n_calls = all_max(len(chunks)) if synced_gpus else len(chunks)
+    # ZeRO-3, even gathered: its start-of-forward hook checks the module order across ranks
+    # until its trace is complete (a collective), so every rank makes the same number of calls
+    lockstep = synced_gpus or (is_zero3(model) and dist.is_initialized())
+    n_calls = all_max(len(chunks)) if lockstep else len(chunks)
     rows = []
     for c in range(n_calls):
         chunk = chunks[c] if c < len(chunks) else [[pad_token_id]]  # dummy keeps this rank stepping

@@ -295,8 +295,8 @@ def to_batch(sample, keep, args, run):
 
 def my_rows(run, rows, k, seed):
     """This rank's prompts_per_rank rows of the k-th batch of `rows` in the data order of `seed`."""
-    N = run.args.prompts_per_rank
-    return batch_rows(rows, k, N * run.world, seed)[run.rank * N : (run.rank + 1) * N]
+    N, i = run.args.prompts_per_rank, run.data_rank  # sequence-parallel ranks share their rows
+    return batch_rows(rows, k, N * run.data_world, seed)[i * N : (i + 1) * N]
 
 
 def rollout(run, step, args, env):
@@ -311,7 +311,7 @@ def rollout(run, step, args, env):
         sample = first = sample_groups(run, rows, args, env)
         keep, extra = None, {}
         if env is not None:  # turns per conversation, conversations cut, over ranks
-            extra = envs.episode_stats(first["env_stats"], run.world)
+            extra = envs.episode_stats(first["env_stats"], run.data_world)
         if args.dynamic_sampling:  # DAPO (dapo.py): groups without reward spread out, fresh in
             # extra round r: the first n of this rank's slot in a second fixed order (seed + 1)
             def more(round_, n):

@@ -22,6 +22,7 @@ DeepSpeed config and the resume check. run.sh runs it in one process first (`--p
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+import sequence_parallel
 from arguments import arg, parse_args_quietly
 from batching import all_sum, encode_prompts, init_distributed
 from build_locks import clear_stale_build_locks
@@ -72,7 +74,14 @@ from runlog import RunLog
 from tasks import pass_at_k, score_completions
 from vllm_server import vllm_generator, write_server_settings
 from zero3_load import enable_gradient_checkpointing, load_model
-from zero3_utils import from_rank0, frozen_config, frozen_engine, load_ds_config, save_hf
+from zero3_utils import (
+    from_rank0,
+    frozen_config,
+    frozen_engine,
+    load_ds_config,
+    save_hf,
+    set_data_group,
+)
 
 
 # ---- The fields both loops have (each loop's Args extends this) --------------------------------
@@ -279,6 +288,9 @@ def preflight(args, rank, world, models, say=print):
         read_ds_json(args.ds_config), args.ds_config, world * mini, args.num_generations
     )
     knobs, _ = fit_to_budget(args, world, models, say)  # the knobs as given, or fitted
+    if args.sequence_parallel_size > 1:
+        check_sequence_parallel(args, world, found["config"], found["model_path"])
+        knobs = sequence_parallel_knobs(args, knobs, 2 if models.get("pairs") else 1, say)
     ds = check_ds_config(
         lambda: deepspeed_config(
             args, knobs, world, found["config"].hidden_size, dtype, args.learning_rate, mini
@@ -305,6 +317,66 @@ def preflight(args, rank, world, models, say=print):
                 f"--max_steps {saved} or more (more extends the run)"
             )
     return Inputs(**found, dtype=dtype, ds_config=ds, knobs=knobs)
+
+
+# attention that reads packed sequences from the position ids (Ulysses drops the mask)
+PACKED_ATTENTION = ("flash_attention_2",)
+
+
+def check_sequence_parallel(args, world, config, model_path):
+    """--sequence_parallel_size S > 1: what cannot work, refused before a model loads."""
+    S, attn = args.sequence_parallel_size, args.attn_implementation
+    if world % S:
+        raise RunError(
+            f"--sequence_parallel_size {S} does not divide the {world} ranks: use a divisor of "
+            f"{world} (groups of S ranks share each sequence)"
+        )
+    if attn_implementation_for(model_path, attn) == "eager" or attn == "eager":
+        raise RunError(
+            f"--sequence_parallel_size {S} needs sdpa or flash_attention_2 attention; eager (this "
+            "model's or --attn_implementation's) builds a (T, T) mask that sequence parallelism "
+            "drops: use --attn_implementation sdpa, or --sequence_parallel_size 1"
+        )
+    why = sequence_parallel.check_heads(config, S)
+    if why:
+        raise RunError(
+            f"--sequence_parallel_size {S}: the model cannot split its attention over {S} ranks "
+            f"({why}): use a size that divides its heads"
+        )
+    if args.packing and attn not in PACKED_ATTENTION:
+        raise RunError(
+            f"--sequence_parallel_size {S} with --packing True needs an attention that reads "
+            f"packed sequences from their position ids ({', '.join(PACKED_ATTENTION)}); {attn} "
+            "would let packed sequences attend to each other: --packing False (one sequence "
+            "per micro-batch) or --attn_implementation flash_attention_2"
+        )
+    if args.top_p < 1:
+        raise RunError(
+            f"--sequence_parallel_size {S} scores under the full distribution: --top_p 1 (its "
+            "sampler's cut is not sliced yet), or --sequence_parallel_size 1"
+        )
+    if args.use_vllm and args.vllm_tensor_parallel_size > 1:
+        raise RunError(
+            f"--sequence_parallel_size {S} with --vllm_tensor_parallel_size "
+            f"{args.vllm_tensor_parallel_size}: one at a time"
+        )
+
+
+def sequence_parallel_knobs(args, knobs, rows, say):
+    """Under sequence parallelism without packed attention each forward is one sequence: Ulysses'
+    attention takes no mask, so a padded row would attend to its padding, and sdpa runs causal
+    over a whole row. A micro-batch is `rows` sequences (rm.py: a pair, scored one by one), so
+    every rank runs the same number of forwards; with flash_attention_2 and --packing True a
+    micro-batch is one packed row, as without sequence parallelism."""
+    if args.packing:
+        return knobs
+    if knobs.per_device_train_batch_size != rows or knobs.max_tokens_per_microbatch:
+        say(
+            f"sequence parallelism: {rows} sequence(s) per micro-batch, one forward each "
+            f"(--per_device_train_batch_size {knobs.per_device_train_batch_size} -> {rows}): "
+            f"{args.attn_implementation} takes no mask"
+        )
+    return dataclasses.replace(knobs, per_device_train_batch_size=rows, max_tokens_per_microbatch=0)
 
 
 def checkpoint_config(args, world, eval_rows):
@@ -367,6 +439,8 @@ class Run:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # before DeepSpeed builds its ops: no hang
             clear_stale_build_locks()
         self.rank, self.world, self.device = init_distributed()  # NCCL on GPUs, gloo on CPU
+        # the ranks that hold different data: all of them, or one per sequence-parallel group
+        self.data_rank, self.data_world, self.sp = self.rank, self.world, None
         if not args.run_dir:  # rank 0's start time names it on every rank
             args.run_dir = from_rank0(default_run_dir(args))
         self.say = print if self.rank == 0 else (lambda *a, **k: None)
@@ -380,6 +454,11 @@ class Run:
         if args.overwrite and self.rank == 0:
             clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
         dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
+        if args.sequence_parallel_size > 1:  # groups of S ranks share each sequence
+            self.sp = sequence_parallel.init(args.sequence_parallel_size)
+            sequence_parallel.install(args.attn_implementation)
+            set_data_group(self.sp.data_group)  # batch sums: one rank per group
+            self.data_rank, self.data_world = self.sp.data_rank, self.sp.data_world
         self.stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
         self.mini_batches = models.get("mini_batches", 1)  # optimizer steps per batch and pass
 
@@ -463,11 +542,26 @@ class Run:
         )
 
     def score(self, rows, completions, num_generations):
-        """The reward functions' weighted total (B,) and each one's raw rewards {name: (B,)}."""
-        return score_completions(self.funcs, self.weights, rows, completions, num_generations)
+        """The reward functions' weighted total (B,) and each one's raw rewards {name: (B,)}.
+        Under sequence parallelism the group's first rank scores and the others receive."""
+        first = self.sp is None or self.sp.rank == 0
+        out = None
+        if first:
+            out = score_completions(self.funcs, self.weights, rows, completions, num_generations)
+        return out if self.sp is None else sequence_parallel.from_first(out)
 
     def generate(self, prompt_ids, num_generations, max_new_tokens=None):
-        """G completions of each prompt, prompt-major, from vLLM or the policy (HF generate)."""
+        """G completions of each prompt, prompt-major, from vLLM or the policy (HF generate).
+        Under sequence parallelism the group's first rank samples (the others run the
+        collectives with nothing to sample) and sends the group its completions: a group
+        samples what one rank sampling its prompts would."""
+        if self.sp is not None:
+            mine = prompt_ids if self.sp.rank == 0 else []
+            out = self._generate(mine, num_generations, max_new_tokens)
+            return sequence_parallel.from_first(out if self.sp.rank == 0 else None)
+        return self._generate(prompt_ids, num_generations, max_new_tokens)
+
+    def _generate(self, prompt_ids, num_generations, max_new_tokens=None):
         a = self.args
         kw = dict(
             num_generations=num_generations,
@@ -540,7 +634,7 @@ class Run:
         )
         for step in bar:
             self.t0, self.step = time.time(), step + 1
-            torch.manual_seed(a.seed * 7919 + step * self.world + self.rank)
+            torch.manual_seed(a.seed * 7919 + step * self.data_world + self.data_rank)
             yield step
             key = "reward" if "reward" in self.row else "accuracy"  # rm.py: pairwise accuracy
             bar.set_postfix({key: f"{self.row[key]:.3f}"})
@@ -598,12 +692,12 @@ class Run:
         # first score (a server holds what it was started with: another run's weights, say)
         if self.vllm is not None and (self.sync_for_eval or not self.vllm.syncs):
             self.vllm.sync_weights(self.policy)
-        mine, k = self.eval_rows[self.rank :: self.world], self.args.eval_samples
+        mine, k = self.eval_rows[self.data_rank :: self.data_world], self.args.eval_samples
         # fewer prompts than ranks: a rank without one samples the first prompt with weight 0, so
         # it still joins every collective (ZeRO-3 gathers, vLLM's lockstep, the reward model's
         # forwards) and the score is the mean over the real prompts only
         weight, mine = (1, mine) if mine else (0, self.eval_rows[:1])
-        torch.manual_seed(self.args.seed + 12345 + self.rank)
+        torch.manual_seed(self.args.seed + 12345 + self.data_rank)
         reward = acc = pass1 = passk = float("nan")
         if self.eval_rows:
             total, per_func = self.eval_sample(mine)  # (B * k,), {name: (B * k,)}, prompt-major

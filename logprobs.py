@@ -564,6 +564,7 @@ def model_logps(
     top_p=1.0,
     thresholds=None,
     return_thresholds=False,
+    targets=None,
 ):
     """Log-probs (B, K) fp32 of input_ids[:, -K:] (and entropies (B, K)) through fused_logps.
 
@@ -590,8 +591,20 @@ def model_logps(
 
     top_k, top_p, thresholds (B, K, 2) or (B, K), return_thresholds: fused_logps's, for
     truncated sampling; the (tau, n) pairs (B, K, 2) come last (None without truncation).
+
+    targets (B, K): the tokens the LAST K positions predict, for a slice of a longer sequence
+    whose last position predicts the next slice's first token (sequence parallelism); K may
+    then be T. Default: each position's next token, input_ids[:, -K:].
     """
-    _check_keep(input_ids, attention_mask, logits_to_keep)
+    if targets is None:
+        _check_keep(input_ids, attention_mask, logits_to_keep)
+    elif (
+        targets.shape != (input_ids.shape[0], logits_to_keep) or logits_to_keep > input_ids.shape[1]
+    ):
+        raise ValueError(
+            f"targets {tuple(targets.shape)} must be (B, K) = ({input_ids.shape[0]}, "
+            f"{logits_to_keep}) with K <= T = {input_ids.shape[1]}"
+        )
     if position_ids is None:
         position_ids = positions_from_mask(
             torch.ones_like(input_ids) if attention_mask is None else attention_mask
@@ -610,14 +623,16 @@ def model_logps(
     softcap = own_cap if softcap is None else softcap
     lm_head = module.get_output_embeddings()
     K = logits_to_keep
-    targets = input_ids[:, -K:]  # (B, K)
+    shifted = targets is None  # position t predicts token t + 1 of input_ids
+    targets = input_ids[:, -K:] if shifted else targets  # (B, K)
 
     truncated = top_k > 0 or top_p < 1 or thresholds is not None
     cut = dict(top_k=top_k, top_p=top_p, thresholds=thresholds, return_thresholds=truncated)
 
     # (B, K + 1, H) when the model honours logits_to_keep, else (B, T, H)
     def fused_forward(hidden_states):
-        h = hidden_states[:, -K - 1 : -1]  # (B, K, H) position t predicts token t + 1
+        # (B, K, H): position t predicts token t + 1, or targets' token
+        h = hidden_states[:, -K - 1 : -1] if shifted else hidden_states[:, -K:]
         out = fused_logps(
             h,
             lm_head.weight,
@@ -645,7 +660,7 @@ def model_logps(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            logits_to_keep=K + 1,
+            logits_to_keep=K + 1 if shifted else K,
             use_cache=False,
         ).logits  # (B, K) or (B, K, 2 to 4)
     finally:

@@ -480,8 +480,8 @@ def main(argv=None):
     G, N = args.num_generations, args.prompts_per_rank
     for step in run.steps():
         # 1. rollout and scores
-        rows = batch_rows(run.train_rows, step, N * run.world, args.seed)
-        rows = rows[run.rank * N : (run.rank + 1) * N]
+        rows = batch_rows(run.train_rows, step, N * run.data_world, args.seed)
+        rows = rows[run.data_rank * N : (run.data_rank + 1) * N]
         prompt_ids = run.encode(rows)
         if vllm is not None:
             with run.ledger.phase("weight_sync"):

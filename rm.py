@@ -228,8 +228,8 @@ def main(argv=None):
     run.start(__file__, {"reward_model": engine}, None, eval_sample)
     N = args.prompts_per_rank
     for step in run.steps():
-        rows = batch_rows(run.train_rows, step, N * run.world, args.seed)
-        batch = encode(rows[run.rank * N : (run.rank + 1) * N])
+        rows = batch_rows(run.train_rows, step, N * run.data_world, args.seed)
+        batch = encode(rows[run.data_rank * N : (run.data_rank + 1) * N])
         t1 = time.time()
         totals = update(engine, batch, args, run.knobs, run.device, run.ledger)
         row = step_row(step + 1, totals, engine)

@@ -55,23 +55,38 @@ def comm_device():
     return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
+_DATA_GROUP = None  # set_data_group: the ranks holding different data; None: all of them
+
+
+def set_data_group(group):
+    """Sums and gathers over the batch (all_reduce_, all_cat) run over `group` from now on: under
+    sequence parallelism the data-parallel group, one rank of each group of ranks that share
+    their sequences (they hold the same numbers; over all ranks each would count S times). None:
+    every rank. all_max stays over every rank: it keeps collectives in lockstep."""
+    global _DATA_GROUP
+    _DATA_GROUP = group
+
+
 def all_max(n):
     """The largest of the integers `n` over all ranks (`n` itself without a process group)."""
     if not dist.is_initialized():
         return n
-    return int(all_reduce_(torch.tensor([n], dtype=torch.long), dist.ReduceOp.MAX).item())
+    everyone = dist.group.WORLD
+    return int(all_reduce_(torch.tensor([n], dtype=torch.long), dist.ReduceOp.MAX, everyone).item())
 
 
-def all_reduce_(t, op=None):
-    """`t` reduced over all ranks in place and returned (`t` itself without a process group);
-    op: a dist.ReduceOp, default SUM. The project's one tensor all-reduce: it runs on a copy on
-    comm_device() when `t` lives elsewhere (an NCCL group refuses CPU tensors) and copies the
-    result back, so callers keep their tensors where they compute with them
-    (tests/test_collectives.py keeps every other file off torch.distributed's collectives)."""
+def all_reduce_(t, op=None, group=None):
+    """`t` reduced over the data's ranks (set_data_group; default every rank; `group` another) in
+    place and returned (`t` itself without a process group); op: a dist.ReduceOp, default SUM.
+    The project's one tensor all-reduce: it runs on a copy on comm_device() when `t` lives
+    elsewhere (an NCCL group refuses CPU tensors) and copies the result back, so callers keep
+    their tensors where they compute with them (tests/test_collectives.py keeps every other file
+    off torch.distributed's collectives)."""
     if not dist.is_initialized():
         return t
     on = t.to(comm_device())
-    dist.all_reduce(on, op=dist.ReduceOp.SUM if op is None else op)
+    group = _DATA_GROUP if group is None else group
+    dist.all_reduce(on, op=dist.ReduceOp.SUM if op is None else op, group=group)
     if on is not t:
         t.copy_(on)
     return t
@@ -88,10 +103,11 @@ def from_rank0(obj):
 
 
 def all_cat(t):
-    """(B, K) from every rank (the same shape on each) -> (world * B, K) on the CPU, rank by
-    rank."""
-    parts = [torch.zeros_like(t, device=comm_device()) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.to(comm_device()))
+    """(B, K) from every rank of the data (set_data_group; the same shape on each) -> (world * B,
+    K) on the CPU, rank by rank."""
+    n = dist.get_world_size(_DATA_GROUP)
+    parts = [torch.zeros_like(t, device=comm_device()) for _ in range(n)]
+    dist.all_gather(parts, t.to(comm_device()), group=_DATA_GROUP)
     return torch.cat(parts).cpu()
 
 

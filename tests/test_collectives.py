@@ -26,6 +26,7 @@ from conftest import ROOT
 HELPERS = {
     ("zero3_utils.py", "all_reduce_"): "copies to comm_device() and back",
     ("zero3_utils.py", "all_cat"): "gathers on comm_device(), returns on the CPU",
+    ("sequence_parallel.py", "forward"): "gathers slices where the model computes them (its GPU)",
 }
 NAMED = {
     "all_reduce",
@@ -187,7 +188,7 @@ def test_all_reduce_runs_on_comm_device_and_copies_back(monkeypatch, backend_dev
 
     seen = []
 
-    def fake_all_reduce(t, op=None):
+    def fake_all_reduce(t, op=None, group=None):
         seen.append(t.device.type)
         if t.device.type == "meta":
             return
