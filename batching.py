@@ -288,7 +288,7 @@ def forward_logps(
     of the same rows (a micro-batch of the update, another iteration) uses the same cut."""
     kw = dict(temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size)
     if sequence_parallel.layout() is not None:  # this rank scores its 1/S of the row
-        return _sliced_logps(model, mb, device, kw)
+        return _sliced_logps(model, mb, packing, device, kw)
     found = mb.get("sampling_thresholds")  # (b, c, 2) or None: (tau, n) per token
     if top_k > 0 or top_p < 1:
         kw.update(top_k=top_k, top_p=top_p, return_thresholds=True)
@@ -323,19 +323,35 @@ def forward_logps(
     return tuple(out) if return_entropy else out[0]
 
 
-def _sliced_logps(model, mb, device, kw):
-    """forward_logps under sequence parallelism (sequence_parallel.py): the micro-batch as one
-    row (one sequence, or several packed where the attention reads position ids), each rank of
-    the group scoring its slice with the tokens its positions predict, gathered: (b, c)."""
-    ids, pos, where = pack(mb)  # (1, N), (1, N), (M,)
+def left_aligned(mb):
+    """The micro-batch with each sequence from column 0 and its padding after it: causal attention
+    then needs no mask (no real token sees padding), which sequence parallelism's attention takes
+    none of. Returns input_ids, position_ids (b, L) and `where` (M,): the flat (b * L) positions
+    whose next token is a completion token, in row-major order of the (b, c) completion mask."""
+    rows = [row[am.bool()] for row, am in zip(mb["input_ids"], mb["attention_mask"])]
+    L = max(len(r) for r in rows)
+    ids = torch.stack([F.pad(r, (0, L - len(r))) for r in rows])  # (b, L): 0 after the end
+    where = []
+    for i, (r, n_c) in enumerate(zip(rows, mb["completion_mask"].sum(1).tolist())):
+        where.append(torch.arange(len(r) - n_c - 1, len(r) - 1) + i * L)  # t predicts t + 1
+    return ids, torch.arange(L).expand(len(rows), L), torch.cat(where)
+
+
+def _sliced_logps(model, mb, packing, device, kw):
+    """forward_logps under sequence parallelism (sequence_parallel.py): the micro-batch left-
+    aligned (or packed into one row, for an attention that reads packed sequences from position
+    ids), each rank of the group scoring its slice of every row with the tokens its positions
+    predict, gathered: (b, c)."""
+    ids, pos, where = pack(mb) if packing else left_aligned(mb)  # (b', L) twice, (M,)
 
     def score(ids, pos, targets):  # (1, n) each: this rank's slice
         ids, pos, targets = ids.to(device), pos.to(device), targets.to(device)
         n = ids.shape[1]
         return model_logps(model, ids, None, n, position_ids=pos, targets=targets, **kw)
 
-    out = sequence_parallel.row_forward(score, ids, pos)  # (1, N) each: token j + 1 at j
-    out = [unpack(x[0, where.to(device)], mb["completion_mask"]) for x in _listed(out)]  # (b, c)
+    out = sequence_parallel.row_forward(score, ids, pos)  # (b', L) each: token j + 1 at j
+    cm, where = mb["completion_mask"], where.to(device)
+    out = [unpack(x.flatten()[where], cm) for x in _listed(out)]  # (b, c) each
     return tuple(out) if kw["return_entropy"] else out[0]
 
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModel, AutoModelForSequenceClassification
 
 import sequence_parallel
-from batching import pack, unpack
+from batching import left_aligned, pack, unpack
 from logprobs import positions_from_mask
 from zero3_load import load_model
 
@@ -53,15 +53,15 @@ def build_critic(path, from_reward_model, dtype, attn_implementation, ds_config=
 
 def forward_values(critic, mb, packing, device):
     """(b, c) values of the states before each completion token, padded or packed (under
-    sequence parallelism: packed, each rank computing its slice, sequence_parallel.py)."""
-    if sequence_parallel.layout() is not None:
-        ids, pos, where = pack(mb)  # (1, N)
+    sequence parallelism: each rank computing its slice, sequence_parallel.py)."""
+    if sequence_parallel.layout() is not None:  # left-aligned (or packed), sliced
+        ids, pos, where = pack(mb) if packing else left_aligned(mb)  # (b', L) twice, (M,)
 
-        def values(ids, pos, targets):  # (1, n): this rank's slice
+        def values(ids, pos, targets):  # (b', n): this rank's slice
             return critic(input_ids=ids.to(device), position_ids=pos.to(device))
 
-        out = sequence_parallel.row_forward(values, ids, pos)  # (1, N)
-        return unpack(out[0, where.to(device)], mb["completion_mask"])  # (b, c)
+        out = sequence_parallel.row_forward(values, ids, pos)  # (b', L)
+        return unpack(out.flatten()[where.to(device)], mb["completion_mask"])  # (b, c)
     if not packing:
         am = mb["attention_mask"].to(device)  # (b, t)
         values = critic(

@@ -22,7 +22,6 @@ DeepSpeed config and the resume check. run.sh runs it in one process first (`--p
 """
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -290,7 +289,6 @@ def preflight(args, rank, world, models, say=print):
     knobs, _ = fit_to_budget(args, world, models, say)  # the knobs as given, or fitted
     if args.sequence_parallel_size > 1:
         check_sequence_parallel(args, world, found["config"], found["model_path"])
-        knobs = sequence_parallel_knobs(args, knobs, 2 if models.get("pairs") else 1, say)
     ds = check_ds_config(
         lambda: deepspeed_config(
             args, knobs, world, found["config"].hidden_size, dtype, args.learning_rate, mini
@@ -360,23 +358,6 @@ def check_sequence_parallel(args, world, config, model_path):
             f"--sequence_parallel_size {S} with --vllm_tensor_parallel_size "
             f"{args.vllm_tensor_parallel_size}: one at a time"
         )
-
-
-def sequence_parallel_knobs(args, knobs, rows, say):
-    """Under sequence parallelism without packed attention each forward is one sequence: Ulysses'
-    attention takes no mask, so a padded row would attend to its padding, and sdpa runs causal
-    over a whole row. A micro-batch is `rows` sequences (rm.py: a pair, scored one by one), so
-    every rank runs the same number of forwards; with flash_attention_2 and --packing True a
-    micro-batch is one packed row, as without sequence parallelism."""
-    if args.packing:
-        return knobs
-    if knobs.per_device_train_batch_size != rows or knobs.max_tokens_per_microbatch:
-        say(
-            f"sequence parallelism: {rows} sequence(s) per micro-batch, one forward each "
-            f"(--per_device_train_batch_size {knobs.per_device_train_batch_size} -> {rows}): "
-            f"{args.attn_implementation} takes no mask"
-        )
-    return dataclasses.replace(knobs, per_device_train_batch_size=rows, max_tokens_per_microbatch=0)
 
 
 def checkpoint_config(args, world, eval_rows):

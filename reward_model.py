@@ -24,6 +24,7 @@ from transformers import AutoModelForSequenceClassification
 
 import sequence_parallel
 from arguments import arg, parse_args_quietly
+from batching import left_aligned
 from checks import load_tokenizer
 from exits import entry
 from logprobs import positions_from_mask
@@ -52,8 +53,7 @@ def sequence_scores(model, mb, device):
     "attention_mask"} (b, t) with left-padded prompts (positions from the mask). The one place a
     reward model is read: `ppo.py --reward_model` scores with it and rm.py trains through it."""
     if sequence_parallel.layout() is not None:  # each rank its 1/S of every sequence
-        rows = zip(mb["input_ids"], mb["attention_mask"].bool())
-        return torch.stack([_sliced_score(model, ids[am][None], device) for ids, am in rows])
+        return _sliced_scores(model, mb, device)
     am = mb["attention_mask"].to(device)  # (b, t)
     logits = model(
         input_ids=mb["input_ids"].to(device),
@@ -64,23 +64,25 @@ def sequence_scores(model, mb, device):
     return logits[:, 0].float()  # (b,)
 
 
-def _sliced_score(model, ids, device):
-    """() fp32: the score of one sequence ids (1, L) under sequence parallelism: the head's
-    per-position scores of each rank's slice (caught at the head, so the model runs its own
-    forward: a DeepSpeed engine counts it), gathered, read at the last token."""
+def _sliced_scores(model, mb, device):
+    """(b,) fp32 under sequence parallelism: the head's per-position scores of each rank's slice
+    of the left-aligned rows (caught at the head, so the model runs its own forward: a DeepSpeed
+    engine counts it), gathered, read at each sequence's last token."""
     head = getattr(model, "module", model).score  # transformers' name for a classifier's head
     caught, forward = [], head.forward
+    ids, pos, _ = left_aligned(mb)  # (b, L): each sequence from column 0, padding after it
+    last = mb["attention_mask"].sum(1) - 1  # (b,) each one's last token
 
-    def score(ids, pos, targets):  # (1, n): this rank's slice
+    def score(ids, pos, targets):  # (b, n): this rank's slice
         head.forward = lambda h: caught.append(forward(h)) or caught[-1]
         try:
             model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False)
         finally:
             del head.forward  # the class's forward again
-        return caught.pop()[..., 0].float()  # (1, n)
+        return caught.pop()[..., 0].float()  # (b, n)
 
-    pos = torch.arange(ids.shape[1])[None]  # (1, L)
-    return sequence_parallel.row_forward(score, ids, pos)[0, -1]
+    scores = sequence_parallel.row_forward(score, ids, pos)  # (b, L)
+    return scores[torch.arange(len(last)), last.to(scores.device)]  # (b,)
 
 
 @dataclass

@@ -147,7 +147,7 @@ def from_first(obj):
 
 
 class _Gather(torch.autograd.Function):
-    """(1, n, ...) slices -> (1, L', ...) over the group; backward: this rank's slice of the
+    """(b, n, ...) slices -> (b, L', ...) over the group; backward: this rank's slice of the
     gradient, with no collective (every rank's loss is the same function of the whole)."""
 
     @staticmethod
@@ -155,11 +155,11 @@ class _Gather(torch.autograd.Function):
         ctx.n, ctx.rank = x.shape[1], _LAYOUT.rank
         parts = [torch.empty_like(x) for _ in range(_LAYOUT.size)]
         dist.all_gather(parts, x.contiguous(), group=_LAYOUT.group)
-        return torch.cat(parts, 1)  # (1, L', ...)
+        return torch.cat(parts, 1)  # (b, L', ...)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[:, ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]  # (1, n, ...)
+        return grad[:, ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]  # (b, n, ...)
 
 
 @contextmanager
@@ -173,24 +173,25 @@ def _active():
 
 
 def row_forward(fn, ids, pos, pad_id=0):
-    """fn's per-position outputs over the whole row, each rank computing its slice.
+    """fn's per-position outputs over whole rows, each rank computing its slice of every row.
 
-    ids, pos: (1, L) one row and its position ids (restarting at 0 per packed sequence). fn(ids,
-    pos, targets) -> a tensor or a tuple of tensors (1, n, ...) for this rank's slice: ids and
-    pos (1, n), targets (1, n) the token each position predicts (pad_id past the row's end).
-    Returns the same tensors gathered over the group, cut to the row: (1, L, ...), position j's
-    output at j. Every rank of the group calls it with the same row."""
+    ids, pos: (b, L) rows and their position ids (each row one sequence from column 0 with padding
+    only at its end, or several packed sequences with positions restarting at 0). fn(ids, pos,
+    targets) -> a tensor or a tuple of tensors (b, n, ...) for this rank's slice: ids and pos
+    (b, n), targets (b, n) the token each position predicts (pad_id past the row's end). Returns
+    the same tensors gathered over the group, cut to the rows: (b, L, ...), position j's output
+    at j. Every rank of the group calls it with the same rows."""
     S, r = _LAYOUT.size, _LAYOUT.rank
-    L = ids.shape[1]
+    b, L = ids.shape
     n = -(-L // S)  # ceil: the slice length
     extra = n * S - L
-    tail = pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)  # (1, L' - L) continuing
-    ids_p = torch.cat([ids, ids.new_full((1, extra), pad_id)], 1)  # (1, L')
-    pos_p = torch.cat([pos, tail], 1)  # (1, L')
-    targets = torch.cat([ids_p[:, 1:], ids.new_full((1, 1), pad_id)], 1)  # (1, L') next token
+    tail = pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device)  # (b, L' - L) continuing
+    ids_p = torch.cat([ids, ids.new_full((b, extra), pad_id)], 1)  # (b, L')
+    pos_p = torch.cat([pos, tail], 1)  # (b, L')
+    targets = torch.cat([ids_p[:, 1:], ids.new_full((b, 1), pad_id)], 1)  # (b, L') next token
     mine = slice(r * n, (r + 1) * n)
     with _active():
         out = fn(ids_p[:, mine], pos_p[:, mine], targets[:, mine])
     single = not isinstance(out, tuple)
-    out = [_Gather.apply(x)[:, :L] for x in ([out] if single else out)]  # (1, L, ...) each
+    out = [_Gather.apply(x)[:, :L] for x in ([out] if single else out)]  # (b, L, ...) each
     return out[0] if single else tuple(out)

@@ -1,12 +1,16 @@
-"""torchrun worker: sequence parallelism (sequence_parallel.py) against one rank's whole sequence.
+"""torchrun worker: sequence parallelism (sequence_parallel.py) against each rank alone.
 
-    torchrun --nproc_per_node 2 tests/dist_sequence_parallel.py --model DIR
+    torchrun --nproc_per_node 2 tests/dist_sequence_parallel.py --policy DIR --reward DIR
 
-Both ranks hold the same model (no DeepSpeed here: the forward and the gradient alone). Each rank
-scores its slice of one row of L tokens (L not a multiple of S, so the row is padded) through
-row_forward + model_logps, and of a packed row; the gathered log-probs and entropies must equal
-model_logps over the whole row on one rank, and the parameter gradients summed over the two ranks
-the whole row's gradient. Prints "OK" on rank 0.
+Each rank first computes, alone (its own one-rank data group), the losses of one batch with the
+whole sequences and their gradients: GRPO's loss with the whole-batch normaliser (grpo.batch_stats,
+micro-batches of 3 of 6 rows, left-padded prompts of different lengths), PPO's value loss through
+critic.forward_values, and rm.py's Bradley-Terry loss through reward_model.sequence_scores. Then
+with S = 2 (the two ranks one group, each scoring its half of every row) the same losses must come
+out equal, and the parameter gradients summed over the two ranks must equal the whole rows'.
+Also: several sequences packed in one row under sdpa are NOT scored exactly (attention ignores
+the position ids' boundaries), which is why the pre-flight refuses --packing with sdpa.
+Prints "OK" on rank 0.
 """
 
 import argparse
@@ -14,64 +18,121 @@ import argparse
 import deepspeed
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+import grpo
+import ppo
+import rm
 import sequence_parallel
+from batching import forward_logps, loss_inputs, make_batch, micro_batches
+from critic import Critic, forward_values
 from exits import exit_process
-from logprobs import model_logps
+from fit import Knobs
+from generation import Generations
+from reward_model import sequence_scores
+from zero3_utils import set_data_group
+
+
+def batch(V, seed=1):
+    """6 rows: 3 prompts of different lengths x 2 completions of different lengths (B = 6)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    lengths = [11, 4, 17, 8, 13, 6]
+    ids = torch.zeros(6, 17, dtype=torch.long)
+    mask = torch.zeros(6, 17, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(3, V, (n,), generator=g)
+        mask[i, :n] = 1
+    b = make_batch(prompts, Generations(ids, mask), 0)
+    b["advantages"] = torch.linspace(-1, 1, 6)
+    b["returns"] = torch.randn(6, 17, generator=g)
+    return b
 
 
 def grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
+def losses(policy, critic, reward, b):
+    """GRPO's, PPO's value and rm.py's losses over the batch, backward into each model."""
+    for m in (policy, critic, reward):
+        m.zero_grad()
+    args = grpo.parse_args(["--beta", "0.0", "--per_device_train_batch_size", "3"])
+    knobs = Knobs.given(args)
+    plan = grpo.micro_plan(b, args, knobs)
+    stats = grpo.batch_stats(b, plan, args)
+    out = {"grpo": 0.0, "value": 0.0, "bt": 0.0}
+    for _, mb, weight in micro_batches(b, plan):
+        logps, entropy = forward_logps(policy, mb, 1.0, False, "cpu", return_entropy=True)
+        t = loss_inputs(mb, logps, entropy, "cpu", mask=grpo.loss_tokens(mb))
+        t.old_logps = t.old_logps + 0.05  # ratios off 1: the clip and its metrics take part
+        loss, _ = grpo.grpo_loss(t, args, stats)
+        (loss * weight).backward()
+        out["grpo"] += float(loss) * weight
+        values = forward_values(critic, mb, False, "cpu")  # (b, c)
+        cm = mb["completion_mask"]
+        loss, _ = ppo.value_loss(values, values.detach() * 0.5, mb["returns"], cm, 0.2, 50.0)
+        (loss * weight).backward()
+        out["value"] += float(loss) * weight
+    pairs = rm.pair_plan(b, Knobs.given(rm.parse_args(["--per_device_train_batch_size", "2"])))
+    for _, mb, weight in micro_batches(b, pairs):
+        scores = sequence_scores(reward, mb, "cpu")  # (b,)
+        loss, _ = rm.bt_loss(rm.split_scores(scores, mb), normalizer=3.0, center_coef=0.01)
+        (loss * weight).backward()
+        out["bt"] += float(loss) * weight
+    return out, {k: grads(m) for k, m in zip(out, (policy, critic, reward))}
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
+    p.add_argument("--policy", required=True)
+    p.add_argument("--reward", required=True)
     a = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")  # Ulysses speaks deepspeed.comm
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation="sdpa")
-    sp = sequence_parallel.init(dist.get_world_size())
+    policy = AutoModelForCausalLM.from_pretrained(a.policy, attn_implementation="sdpa")
+    body = AutoModelForCausalLM.from_pretrained(a.policy, attn_implementation="sdpa").model
+    critic = Critic(body, torch.nn.Linear(body.config.hidden_size, 1, bias=False))
+    reward = AutoModelForSequenceClassification.from_pretrained(
+        a.reward, num_labels=1, attn_implementation="sdpa"
+    )
+    b = batch(policy.config.vocab_size)
+
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # the whole rows, this rank alone
+    set_data_group(alone)
+    ref, ref_grads = losses(policy, critic, reward, b)
+
+    sp = sequence_parallel.init(world)
     sequence_parallel.install("sdpa")
-    L, V = 45, model.config.vocab_size
-    ids = torch.randint(3, V, (1, L))  # the same on every rank (same seed)
-    pos = torch.arange(L)[None]
-    cases = {"one sequence": pos, "packed": torch.cat([torch.arange(20), torch.arange(25)])[None]}
-    for name, pos in cases.items():
-        # whole row on this rank: log-probs of tokens 1..L-1 from positions 0..L-2
-        model.zero_grad()
-        ref, ref_ent = model_logps(
-            model, ids, None, L - 1, position_ids=pos, return_entropy=True, chunk_size=7
-        )  # (1, L - 1)
-        (ref * torch.linspace(-1, 1, L - 1)).sum().add(ref_ent.sum() * 0.1).backward()
-        g_ref = grads(model)
-
-        model.zero_grad()
-
-        def fn(i, q, t):
-            n = i.shape[1]
-            kw = dict(position_ids=q, targets=t, return_entropy=True, chunk_size=7)
-            return model_logps(model, i, None, n, **kw)  # (1, n) each
-
-        lp, ent = sequence_parallel.row_forward(fn, ids, pos)  # (1, L) each
-        lp, ent = lp[:, :-1], ent[:, :-1]  # position L-1 predicts past the row
-        (lp * torch.linspace(-1, 1, L - 1)).sum().add(ent.sum() * 0.1).backward()
-        g = grads(model)
-        dist.all_reduce(g)
-        err = (lp - ref).abs().max().item(), (ent - ref_ent).abs().max().item()
-        gerr = ((g - g_ref).abs().max() / g_ref.abs().max()).item()
+    set_data_group(sp.data_group)
+    got, got_grads = losses(policy, critic, reward, b)
+    for name in ref:
+        dist.all_reduce(got_grads[name])  # the group's slices add up to the whole rows' gradient
+        err = abs(got[name] - ref[name]) / abs(ref[name])
+        g, r = got_grads[name], ref_grads[name]
+        gerr = ((g - r).abs().max() / r.abs().max()).item()
         if rank == 0:
-            print(f"{name}: logp err {err[0]:.2e} entropy err {err[1]:.2e} grad rel {gerr:.2e}")
-        assert max(err) < 1e-5 and gerr < 1e-5, (name, err, gerr)
-    # outside row_forward attention is the plain one: a forward on one rank alone
-    if rank == 0:
-        model(input_ids=ids, use_cache=False)
+            print(f"{name}: loss {ref[name]:.6f} rel err {err:.1e}, gradient rel err {gerr:.1e}")
+        assert err < 1e-5 and gerr < 1e-5, (name, err, gerr)
+
+    # packed sequences under sdpa: the attention sees across their boundary
+    ids = torch.randint(3, policy.config.vocab_size, (1, 30))
+    pos = torch.cat([torch.arange(12), torch.arange(18)])[None]
+    whole = policy(input_ids=ids, position_ids=pos, use_cache=False).logits  # (1, 30, V)
+
+    def logits(i, q, t):
+        return policy(input_ids=i, position_ids=q, use_cache=False).logits
+
+    sliced = sequence_parallel.row_forward(logits, ids, pos)  # (1, 30, V)
+    packed_err = (sliced - whole)[0, 12:].abs().max().item()
+    assert packed_err > 1e-3, packed_err  # the second sequence attended to the first
     dist.barrier()
     if rank == 0:
+        print(f"packed under sdpa: off by {packed_err:.2f} (refused by the pre-flight)")
         print(f"OK (S = {sp.size})")
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
