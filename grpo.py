@@ -422,9 +422,12 @@ def update(engine, batch, args, knobs, device, ledger=None):
     2. the whole batch's statistics over all ranks (batch_stats): each micro-batch's loss is
        divided by its normaliser, so the micro-batch losses of all ranks add up to the loss of
        the full batch and the gradient does not depend on how the batch is split. No kept row on
-       any rank: no update at all (an optimizer step on zero gradients would still move Adam);
+       any rank: no update at all (an optimizer step on zero gradients would still move Adam).
+       A statistic that asks for the sampling policy's log-probs gets rollout_logps's, or a
+       no-grad pass made then (ledger phase "old_logprobs");
     3. num_iterations times: every micro-batch forward/backward, then one optimizer step
-       (train_on_batch); the last iteration's metrics are the step's.
+       (train_on_batch), each loss given its micro-batch's rows of the statistics
+       (batching.micro_stats); the last iteration's metrics are the step's.
     """
     plan = micro_plan(batch, args, knobs)
     phase = ledger.phase if ledger else lambda name: nullcontext()
