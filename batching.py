@@ -15,7 +15,9 @@ completion, rollouts to a padded batch, micro-batches (padded or packed into one
     groups = mini_batch_plans(batch, 2, 8)       # PPO: a plan per mini-batch (rows fixed by count)
     (total,) = all_sum([local_count])            # float64 sum over ranks, on the backend's device
     totals = all_sum_dict(sums)                  # {name: sum} over ranks: whatever keys came back
+    means = token_means({"kl": kl}, mask)        # {name: mean per token of (B, C)} over ranks
     t = loss_inputs(mb, logps, entropy, device)  # LossInputs: a micro-batch's per-token loss inputs
+    s = micro_stats(stats, idx, mb, device)      # the whole batch's statistics, mb's rows of them
 
 Letters in shape comments: B sequences on this rank, b in a micro-batch, P prompt tokens, C
 completion tokens, T = P + C, t <= T and c <= C after cutting all-padding columns, N tokens of a
@@ -253,8 +255,27 @@ def micro_slice(batch, idx):
     }  # (b, c)
     for key, value in batch.items():
         if key not in out:
-            out[key] = None if value is None else value[idx] if value.dim() == 1 else value[idx, :c]
+            out[key] = rows_of(value, idx, c)
     return out
+
+
+def rows_of(value, idx, c):
+    """A whole-batch value cut to rows `idx` and completion columns :c, the one way a micro-batch
+    is cut: (B,) -> (b,), (B, C) -> (b, c) (and (B, C, k) -> (b, c, k)); a number, a 0-d tensor
+    or None stays as it is. micro_slice cuts a batch's entries with it and micro_stats the whole
+    batch's statistics."""
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return value
+    return value[idx] if value.dim() == 1 else value[idx, :c]
+
+
+def micro_stats(stats, idx, mb, device):
+    """Micro-batch `mb`'s (rows `idx`, a zero-weight repeat's too) share of the WHOLE batch's
+    statistics {name: a number, (B,) or (B, C)} (grpo.batch_stats): tensors cut by rows_of, as mb
+    itself was, and moved to `device`; numbers as they are."""
+    c = mb["logits_to_keep"]
+    cut = {k: rows_of(v, idx, c) for k, v in stats.items()}
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in cut.items()}
 
 
 # ---- Packing: a micro-batch as one row without padding -------------------------------------------
@@ -400,6 +421,14 @@ def all_sum_dict(sums):
     included, through the same code), so the keys never need listing anywhere."""
     keys = sorted(sums)
     return dict(zip(keys, all_sum([sums[k] for k in keys])))
+
+
+def token_means(values, mask):
+    """{name: the mean of values[name] (B, C) over the mask's (B, C) tokens of every rank}, in one
+    collective: a loop's per-token metrics, written where they are computed (ppo.py's step 3)."""
+    names = list(values)
+    sums = all_sum([(values[k] * mask).sum().item() for k in names] + [mask.sum().item()])
+    return {k: s / sums[-1] for k, s in zip(names, sums)}
 
 
 # ---- A micro-batch's per-token loss inputs ------------------------------------------------------

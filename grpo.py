@@ -46,6 +46,7 @@ from batching import (
     loss_inputs,
     make_batch,
     micro_batches,
+    micro_stats,
     plan_micro_batches,
 )
 from cispo import cispo_per_token
@@ -87,16 +88,19 @@ def group_advantages(rewards, num_generations, scale=True, eps=1e-4):
     return adv.view(-1)  # (N * G,)
 
 
-def estimate_advantages(rewards, num_generations, estimator="grpo", scale=None, keep=None):
-    """(N * G,) advantages by --advantage_estimator: grpo's group_advantages, scaled unless
-    `scale` is False (None: the estimator's own, ESTIMATOR_SCALES); rloo and reinforce_pp:
-    rloo.py (reinforce_pp whitens over the kept rows of every rank: keep (N * G,) bool, None:
-    all; a collective, so every rank calls it)."""
+def estimate_advantages(batch, args):
+    """(B,) advantages of the batch's rewards by --advantage_estimator, B = N * G with each
+    prompt's G completions adjacent: grpo's group_advantages, scaled unless --scale_rewards False
+    (None: the estimator's own, ESTIMATOR_SCALES); rloo and reinforce_pp: rloo.py (reinforce_pp
+    whitens over the kept rows of every rank, keep_mask: a collective, so every rank calls it).
+    batch: to_batch's, "rewards" (B,) and all a baseline may weigh by: loss_tokens(batch) (B, C)
+    (summed: each completion's length), keep_mask(batch, args)."""
+    rewards, G, estimator = batch["rewards"], args.num_generations, args.advantage_estimator
     if estimator == "grpo":
-        scale = ESTIMATOR_SCALES[estimator] if scale is None else scale
-        return group_advantages(rewards, num_generations, scale=scale)
-    centred = group_advantages(rewards, num_generations, scale=False).double()  # (N * G,)
-    return baseline_advantages(centred, num_generations, estimator, keep).to(rewards.dtype)
+        scale = ESTIMATOR_SCALES[estimator] if args.scale_rewards is None else args.scale_rewards
+        return group_advantages(rewards, G, scale=scale)
+    centred = group_advantages(rewards, G, scale=False).double()  # (B,)
+    return baseline_advantages(centred, G, estimator, keep_mask(batch, args)).to(rewards.dtype)
 
 
 def loss_normalizer(mask, loss_type, max_completion_length):
@@ -121,7 +125,8 @@ def grpo_loss(t, args, stats):
     tokens trained), weights (importance weights, or None), entropy with grad. args: the flags
     (beta, epsilon_low/high, loss_type, importance_sampling_level, entropy_coef). stats: the
     WHOLE batch's statistics (batch_stats), computed before the micro-batches: "normalizer", so
-    that the losses of all micro-batches on all ranks add up to the full-batch loss.
+    that the losses of all micro-batches on all ranks add up to the full-batch loss; a (B,) or
+    (B, C) statistic arrives as this micro-batch's rows of it (batching.micro_stats), like t.
     metrics: named SUMS over this micro-batch's tokens ("loss" the loss itself); update() adds
     them over micro-batches and ranks, step_row divides them by "tokens". A term writes its
     metric where it computes it (token_sum), and nowhere else.
@@ -279,17 +284,17 @@ def sample_groups(run, rows, args, env=None, G=None):
 
 
 def to_batch(sample, keep, args, run):
-    """The padded batch (batching.make_batch) with group advantages (B,), the keep mask (None:
-    all rows), which completions were truncated (B,), and the sampler's log-probs (vLLM, else
-    None)."""
+    """The padded batch (batching.make_batch) with the keep mask (None: all rows), which
+    completions were truncated (B,), the rewards (B,), the sampler's log-probs (vLLM, else None),
+    an environment's loss mask, and then, from all of them, the advantages (B,)."""
     gens = sample["gens"]
     batch = make_batch(sample["prompt_ids"], gens, run.tokenizer.pad_token_id)
     batch["keep"] = keep
     batch["truncated"] = truncated(gens, run.stop_ids, args.max_completion_length)  # (B,)
-    est = (args.num_generations, args.advantage_estimator, args.scale_rewards)  # kept rows' stats
-    batch["advantages"] = estimate_advantages(sample["rewards"], *est, keep_mask(batch, args))
+    batch["rewards"] = sample["rewards"]  # (B,)
     batch["sampler_logps"] = gens.logprobs  # (B, C) or None
     batch["loss_mask"] = sample.get("loss_mask")  # (B, C): --env, 0 on its turns; else None
+    batch["advantages"] = estimate_advantages(batch, args)  # (B,) the kept rows' statistics
     return batch
 
 
@@ -333,11 +338,15 @@ def micro_plan(batch, args, knobs):
     return plan_micro_batches(batch, micro, tokens, keep_mask(batch, args))
 
 
-def batch_stats(batch, plan, args):
+def batch_stats(batch, plan, args, policy_logps=None):
     """Statistics over the WHOLE batch, every micro-batch of every rank (zero-weight repeats add
     nothing), computed once before the micro-batches and handed to every grpo_loss call, so a
     batch-level rule never changes with the micro-batch size. "normalizer": the loss denominator,
-    loss_normalizer summed; the one place it is computed. A statistic of your own goes here."""
+    loss_normalizer summed; the one place it is computed. A statistic of your own goes here: a
+    number, or a (B,) or (B, C) tensor over this rank's rows, of which each grpo_loss call gets
+    its micro-batch's rows (batching.micro_stats). policy_logps(): (B, C) the sampling policy's
+    log-probs, one no-grad pass at the first call (none when rollout_logps made one); ask for
+    them under a flag, never under a condition on the data: the pass is a collective (ZeRO-3)."""
     local = sum(
         weight * loss_normalizer(loss_tokens(mb), args.loss_type, args.max_completion_length)
         for _, mb, weight in micro_batches(batch, plan)
@@ -380,6 +389,7 @@ def rollout_logps(run, engine, ref, teacher, batch, plan, args):
     if args.num_iterations > 1 or cap > 0 or teacher is not None:
         with run.ledger.phase("old_logprobs"):
             old = batch_logps(engine.module, batch, plan, args, knobs, device, policy=True)
+        batch["policy_logps"] = old  # (B, C) for batch_stats too
         batch["old_logps"] = old if args.num_iterations > 1 or cap > 0 else None  # ratio 1 else
     if args.beta > 0:
         reference = engine.module if ref is None else ref
@@ -412,12 +422,24 @@ def update(engine, batch, args, knobs, device, ledger=None):
     2. the whole batch's statistics over all ranks (batch_stats): each micro-batch's loss is
        divided by its normaliser, so the micro-batch losses of all ranks add up to the loss of
        the full batch and the gradient does not depend on how the batch is split. No kept row on
-       any rank: no update at all (an optimizer step on zero gradients would still move Adam);
+       any rank: no update at all (an optimizer step on zero gradients would still move Adam).
+       A statistic that asks for the sampling policy's log-probs gets rollout_logps's, or a
+       no-grad pass made then (ledger phase "old_logprobs");
     3. num_iterations times: every micro-batch forward/backward, then one optimizer step
-       (train_on_batch); the last iteration's metrics are the step's.
+       (train_on_batch), each loss given its micro-batch's rows of the statistics
+       (batching.micro_stats); the last iteration's metrics are the step's.
     """
     plan = micro_plan(batch, args, knobs)
-    stats = batch_stats(batch, plan, args)
+    phase = ledger.phase if ledger else lambda name: nullcontext()
+
+    def policy_logps():  # (B, C) for a statistic that asks: rollout_logps's pass, or one now
+        if batch.get("policy_logps") is None:
+            with phase("old_logprobs"):
+                how = (plan, args, knobs, device)
+                batch["policy_logps"] = batch_logps(engine.module, batch, *how, policy=True)
+        return batch["policy_logps"]
+
+    stats = batch_stats(batch, plan, args, policy_logps)
     sums, skipped = {}, 0
     sampled = batch.get("sampler_logps")  # (B, C) or None
     trainer = None if sampled is None else torch.zeros_like(sampled)  # (B, C) filled below
@@ -459,7 +481,7 @@ def train_on_batch(engine, batch, plan, args, knobs, stats, device, ledger, logp
                 engine, mb, args.temperature, args.packing, device, **kw
             )  # (b, c)
             t = loss_inputs(mb, logps, entropy, device, mask=loss_tokens(mb))
-            loss, metrics = grpo_loss(t, args, stats)
+            loss, metrics = grpo_loss(t, args, micro_stats(stats, idx, mb, device))
             engine.backward(loss * weight * world, scale_wrt_gas=False)  # weight 0: a repeat
             if weight and logps_out is not None:
                 logps_out[idx, : mb["logits_to_keep"]] = logps.detach().float().cpu()

@@ -67,7 +67,6 @@ from generation import attn_implementation_for, generate_hf, unwrap_for_generati
 from guard import StepGuard
 from logprobs import DEFAULT_CHUNK_SIZE
 from memory import MemoryLedger
-from pairs import check_pairs
 from recipes import apply_recipe
 from runlog import RunLog
 from tasks import pass_at_k, score_completions
@@ -269,18 +268,19 @@ class Inputs:
     knobs: object  # fit.Knobs: the memory knobs in effect
 
 
-def preflight(args, rank, world, models, say=print):
+def preflight(args, rank, world, models, say=print, check=None):
     """Every input checked before a model loads or a step runs, each failure a RunError saying what
     to change, in one pass: the inputs (run_dir, vLLM, data, models, tokenizer, rewards, whole
     groups in the JSON's batch), then the memory estimate and the fit (--memory_budget_gb,
     fit.py), then the DeepSpeed JSON with the fitted knobs and the resume. `models`: what the
-    loop builds beside the policy (fit.py)."""
+    loop builds beside the policy (fit.py). check(args, rank) -> Inputs' fields up to weights:
+    the loop's own input check, for rows that are not prompts; None: the prompts, rewards and
+    models that checks.check_inputs checks."""
     # before anything is written there
     check_new_run(args.run_dir, args.resume, args.overwrite, evaluate=not args.max_steps)
     check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
     beside = [models.get(k, "") for k in ("reward_model", "env", "teacher")]
-    # rm.py trains on preference pairs (pairs.py), the loops on prompts
-    found = check_pairs(args, rank) if models.get("pairs") else check_inputs(args, rank, *beside)
+    found = check(args, rank) if check else check_inputs(args, rank, *beside)
     dtype = training_dtype(args.dtype)
     mini = models.get("mini_batches", 1)  # whole groups on every rank in each optimizer step
     check_global_batch(
@@ -387,15 +387,16 @@ def nothing_left_if_refused(run_dir):
         raise
 
 
-def before_torchrun(args, models):
-    """--estimate_memory (the per-phase table) or --preflight (the checks): one process, no group,
-    no weights; run.sh runs these before any rank begins. A refusal leaves nothing behind."""
+def before_torchrun(args, models, check=None):
+    """--estimate_memory (the per-phase table) or --preflight (the checks, `check` as in
+    preflight): one process, no group, no weights; run.sh runs these before any rank begins. A
+    refusal leaves nothing behind."""
     if args.estimate_memory:
         return estimate_run_memory(args, models)
     args.run_dir = args.run_dir or default_run_dir(args)
     world = int(os.environ.get("WORLD_SIZE", 1))
     with nothing_left_if_refused(args.run_dir):
-        inputs = preflight(args, rank=0, world=world, models=models)
+        inputs = preflight(args, rank=0, world=world, models=models, check=check)
     if args.use_vllm and args.vllm_mode == "server":  # what run.sh starts the server with
         write_server_settings(args, inputs.config, inputs.dtype)
     print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
@@ -412,10 +413,11 @@ def default_run_dir(args):
 # ---- The run on this rank --------------------------------------------------------------------
 class Run:
     """This rank's run: the process group, the checked inputs (`Inputs`' fields are its
-    attributes), the run dir; after start(), the checkpoints, the run log, the memory ledger, the
-    step guard, the knob adapter and the signal handler. The loop calls it; it calls no loop."""
+    attributes; `check`: the loop's own input check, as in preflight), the run dir; after
+    start(), the checkpoints, the run log, the memory ledger, the step guard, the knob adapter
+    and the signal handler. The loop calls it; it calls no loop."""
 
-    def __init__(self, args, models):
+    def __init__(self, args, models, check=None):
         self.args = args
         if os.environ.get("LOCAL_RANK", "0") == "0":  # before DeepSpeed builds its ops: no hang
             clear_stale_build_locks()
@@ -427,9 +429,9 @@ class Run:
         self.say = print if self.rank == 0 else (lambda *a, **k: None)
         if self.world == 1:  # one process: a refusal leaves nothing behind (run.sh's pre-flight)
             with nothing_left_if_refused(args.run_dir):
-                inputs = preflight(args, self.rank, self.world, models, self.say)
+                inputs = preflight(args, self.rank, self.world, models, self.say, check)
         else:
-            inputs = preflight(args, self.rank, self.world, models, self.say)
+            inputs = preflight(args, self.rank, self.world, models, self.say, check)
         self.__dict__.update(vars(inputs))
         os.makedirs(args.run_dir, exist_ok=True)  # the pre-flight wrote nothing (a built-in model)
         if args.overwrite and self.rank == 0:
@@ -565,14 +567,17 @@ class Run:
             )
 
     # ---- the steps ----
-    def start(self, script, engines, vllm=None, eval_sample=None, sync_for_eval=True):
+    def start(
+        self, script, engines, vllm=None, eval_sample=None, sync_for_eval=True, figure="reward"
+    ):
         """After the models: resume (every engine's state and the step), the run log, the memory
         ledger, the step guard, the knob adapter; the first held-out score. eval_sample(rows) ->
-        (total reward (B,), {name: (B,)}) samples one completion per held-out prompt."""
+        (total reward (B,), {name: (B,)}) samples one completion per held-out prompt. figure: the
+        key of the loop's rows that the progress bar shows."""
         a, ckpt_dir = self.args, os.path.join(self.args.run_dir, "checkpoints")
         self.engines, self.vllm, self.policy = engines, vllm, next(iter(engines.values()))
         self.script = os.path.splitext(os.path.basename(script))[0]
-        self.eval_sample, self.sync_for_eval = eval_sample, sync_for_eval
+        self.eval_sample, self.sync_for_eval, self.figure = eval_sample, sync_for_eval, figure
         self.ckpt_dir, self.start_step = ckpt_dir, 0
         self.ckpt_config = checkpoint_config(a, self.world, self.eval_rows)
         if a.resume:  # every engine's state (model, optimizer, LR schedule) and the step
@@ -617,8 +622,7 @@ class Run:
             self.t0, self.step = time.time(), step + 1
             torch.manual_seed(a.seed * 7919 + step * self.data_world + self.data_rank)
             yield step
-            key = "reward" if "reward" in self.row else "accuracy"  # rm.py: pairwise accuracy
-            bar.set_postfix({key: f"{self.row[key]:.3f}"})
+            bar.set_postfix({self.figure: f"{self.row[self.figure]:.3f}"})
         bar.close()
 
     def end_step(self, row, *, loss, grad_norm, skipped, line, updated=True):

@@ -200,8 +200,8 @@ def reward_model_start(args, rank):
 
 
 def check_pairs(args, rank):
-    """rm.py's inputs, checked before any step (harness.preflight calls it for a loop whose models
-    say "pairs"): the pairs (every problem in one message, before anything is written), then the
+    """rm.py's inputs, checked before any step (rm.py hands it to harness.Run as its input check,
+    `check`): the pairs (every problem in one message, before anything is written), then the
     reward model to start from, its tokenizer (eos, pad) and config, the prompts through the chat
     template. Returns harness.Inputs' fields: train_rows and eval_rows are pairs."""
     fields = (args.prompt_field, args.chosen_field, args.rejected_field, args.margin_field)

@@ -51,6 +51,7 @@ from batching import (
     micro_batches,
     mini_batch_plans,
     plan_micro_batches,
+    token_means,
 )
 from cispo import cispo_per_token
 from critic import build_critic, forward_values
@@ -81,8 +82,9 @@ def token_rewards(logps, ref_logps, mask, scores, kl_coef):
 def gae(rewards, values, mask, gamma, lam):
     """Generalised advantage estimation -> (advantages, returns), both (B, C), 0 where mask is 0.
 
-    rewards, values, mask: (B, C). Masked positions are skipped (a sequence is its unmasked tokens
-    in order); the value after a sequence's last token is 0. returns = advantages + values.
+    rewards, values, mask: (B, C); gamma, lam: numbers, or (B,) one per sequence. Masked positions
+    are skipped (a sequence is its unmasked tokens in order); the value after a sequence's last
+    token is 0. returns = advantages + values.
     """
     mask = mask.to(values.dtype)  # (B, C)
     B, C = values.shape
@@ -504,7 +506,7 @@ def main(argv=None):
         with run.ledger.phase("logprobs"):
             batch.update(rollout_forwards(scorers, batch, plan, times))
 
-        # 3. per-token rewards, GAE, whitened advantages
+        # 3. per-token rewards, GAE, whitened advantages; their metrics, means per token
         mask = batch["completion_mask"]  # (B, C)
         rewards, kl = token_rewards(
             batch.get("old_logps"), batch.get("ref_logps"), mask, scores, args.kl_coef
@@ -513,6 +515,8 @@ def main(argv=None):
             rewards, batch["values"] * mask, mask, args.gamma, args.lam
         )  # (B, C)
         batch["advantages"] = masked_whiten(advantages, mask)  # (B, C)
+        per_token = {"kl": kl, "value_mean": batch["values"], "return_mean": batch["returns"]}
+        extra = token_means(per_token, mask)  # every rank's tokens; the row shows them
 
         # 4. update: ppo_epochs x mini-batches, micro-batches with accumulation; without an old
         # log-prob pass, its first forward is the trainer's side of the sampler check
@@ -527,17 +531,12 @@ def main(argv=None):
         losses = {k: v for k, v in totals.items() if k not in ("tokens", "skipped")}
         norms = [e.get_global_grad_norm() for e in (engine, critic_engine)]
         norms = None if None in norms else max(float(n) for n in norms)  # non-finite if either is
-        sums = all_sum(
-            [(v * mask).sum().item() for v in (kl, mask, batch["values"], batch["returns"])]
-        )
         # (world * B, 2 + F), every rank's sequences: score, completion length, each function
         seq = all_cat(torch.stack([scores, mask.sum(1).float(), *per_func.values()], 1))
         row = {
             "step": step + 1,
             **reward_stats(seq, list(per_func)),
-            "kl": sums[0] / sums[1],
-            "value_mean": sums[2] / sums[1],
-            "return_mean": sums[3] / sums[1],
+            **extra,
             # the losses' metrics: a loss as it is, every other sum as its mean per token
             **{k: v if k.endswith("_loss") else v / totals["tokens"] for k, v in losses.items()},
             "lr": engine.get_lr()[0],

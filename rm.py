@@ -39,7 +39,7 @@ from arguments import arg
 from batching import all_sum, micro_batches, plan_micro_batches
 from data import batch_rows
 from exits import RunError, entry_code, exit_process
-from pairs import pair_batch
+from pairs import check_pairs, pair_batch
 from reward_model import sequence_scores
 
 
@@ -138,7 +138,7 @@ PHASES = {"update": ("update",), "optimizer_step": ("optimizer_step",)}  # no ro
 
 
 def memory_models(args):
-    """What this loop builds: the trained model alone, on pairs (harness.preflight: pairs.py)."""
+    """What this loop builds: the trained model alone, with a score head (fit.py: "pairs")."""
     return {"reference": False, "critic": False, "pairs": True, "phases": PHASES}
 
 
@@ -208,8 +208,8 @@ def step_row(step, totals, engine):
 def main(argv=None):
     args = parse_args(argv)
     if args.estimate_memory or args.preflight:  # one process, before any rank begins
-        return harness.before_torchrun(args, memory_models(args))
-    run = harness.Run(args, memory_models(args))  # process group, every input checked
+        return harness.before_torchrun(args, memory_models(args), check_pairs)
+    run = harness.Run(args, memory_models(args), check_pairs)  # every input checked: pairs.py
     model = run.load(cls=AutoModelForSequenceClassification, num_labels=1)
     engine = run.train_engine(model, args.learning_rate)
 
@@ -225,7 +225,7 @@ def main(argv=None):
             engine.empty_partition_cache()
         return diff, {"won": (diff > 0).float()}
 
-    run.start(__file__, {"reward_model": engine}, None, eval_sample)
+    run.start(__file__, {"reward_model": engine}, None, eval_sample, figure="accuracy")
     N = args.prompts_per_rank
     for step in run.steps():
         rows = batch_rows(run.train_rows, step, N * run.data_world, args.seed)

@@ -103,12 +103,23 @@ def from_rank0(obj):
 
 
 def all_cat(t):
-    """(B, K) from every rank of the data (set_data_group; the same shape on each) -> (world * B,
-    K) on the CPU, rank by rank."""
-    n = dist.get_world_size(_DATA_GROUP)
-    parts = [torch.zeros_like(t, device=comm_device()) for _ in range(n)]
-    dist.all_gather(parts, t.to(comm_device()), group=_DATA_GROUP)
-    return torch.cat(parts).cpu()
+    """(B_r, ...) from every rank r of the data (set_data_group) -> (B_0 + B_1 + ..., ...) on the
+    CPU, rank by rank: the rows may differ in number between ranks (the trailing shape may not);
+    `t` itself, on the CPU, without a process group."""
+    if not dist.is_initialized():
+        return t.cpu()
+    world, device, group = dist.get_world_size(_DATA_GROUP), comm_device(), _DATA_GROUP
+    shapes = [torch.zeros(t.dim(), dtype=torch.long, device=device) for _ in range(world)]
+    dist.all_gather(shapes, torch.tensor(t.shape, dtype=torch.long, device=device), group=group)
+    shapes = [tuple(s.tolist()) for s in shapes]  # (B_r, ...) of each rank
+    if any(s[1:] != shapes[0][1:] for s in shapes):
+        raise ValueError(f"all_cat: the ranks' rows differ in shape: {[s[1:] for s in shapes]}")
+    most = max(s[0] for s in shapes)
+    padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=device)  # (max B_r, ...)
+    padded[: t.shape[0]] = t.to(device)
+    parts = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[: s[0]] for p, s in zip(parts, shapes)]).cpu()
 
 
 # ---- Modules inside engines, ZeRO-3 parameters ---------------------------------------------------

@@ -22,6 +22,7 @@ import sys
 import deepspeed
 import torch
 import torch.distributed as dist
+from test_grpo import naive_estimate  # every estimator's naive loop, in one table
 from transformers import AutoModelForCausalLM
 
 from batching import loss_inputs
@@ -31,10 +32,10 @@ from fit import Knobs
 from generation import Generations
 from grpo import (
     ADVANTAGE_ESTIMATORS,
+    ESTIMATOR_SCALES,
     LOSS_TYPES,
     batch_stats,
     estimate_advantages,
-    group_advantages,
     grpo_loss,
     loss_normalizer,
     micro_plan,
@@ -227,28 +228,26 @@ for mode in ("token_mask", "sequence_mask"):
         label = f"(B, C) advantages, {mode} micro={micro} budget={budget} packing={packing}"
         check(label, 3, args, None, loss, norm, want, inputs=inputs)
 
-# --advantage_estimator on 2 ranks, groups of 2, rank 1 dropping a group: grpo and rloo are
-# group-local; reinforce_pp whitens over the kept rows of both ranks (a collective), so each rank's
-# half equals the full batch's whitening; the update with them equals the full-batch update
+# --advantage_estimator on 2 ranks, groups of 2, rank 1 dropping a group, completions of different
+# lengths: each estimator at its own --scale_rewards against its naive loop over the full batch
+# (test_grpo.naive_estimate: reinforce_pp whitens over the kept rows of both ranks, a collective,
+# so each rank's half equals the full batch's whitening); the update with them equals the
+# full-batch update
 mine = slice(4 * rank, 4 * rank + 4)
 rewards = torch.rand(B, generator=torch.Generator().manual_seed(3))
 keep = torch.tensor(KEEPS["rank 1 drops 1 group"], dtype=torch.bool)
-centered = (rewards - rewards.view(-1, 2).mean(1).repeat_interleave(2)).double()  # (B,)
-kept = centered[keep]
-want_adv = {
-    "grpo": group_advantages(rewards, 2).double(),
-    "rloo": 2 * centered,  # r_i minus its one group mate
-    "reinforce_pp": (centered - kept.mean()) / (kept.std() + 1e-4),
-}
 for est in ADVANTAGE_ESTIMATORS:
-    got = estimate_advantages(rewards[mine], 2, est, est != "rloo", keep[mine])  # (4,)
-    if not torch.allclose(got.double(), want_adv[est][mine], atol=1e-6):
-        failures.append(f"{est}: advantages {got.tolist()} != {want_adv[est][mine].tolist()}")
+    args = grpo_args("bnpo", 1, 0, False, ["--advantage_estimator", est])
+    half = {"input_ids": ids[mine], "completion_mask": cmask[mine], "rewards": rewards[mine]}
+    got = estimate_advantages({**half, "keep": keep[mine]}, args)  # (4,)
+    how = (keep.tolist(), 2, est, ESTIMATOR_SCALES[est])
+    want_adv = torch.tensor(naive_estimate(rewards.tolist(), comp_len.tolist(), *how))  # (B,)
+    if not torch.allclose(got.double(), want_adv[mine].double(), atol=1e-6):
+        failures.append(f"{est}: advantages {got.tolist()} != {want_adv[mine].tolist()}")
     if est != "grpo":  # every rank's advantages, as computed on 2 ranks
         advantages = all_cat(got[:, None])[:, 0]  # (B,)
         loss, norm, want = reference("bnpo", keep)
-        flags = ["--advantage_estimator", est, "--scale_rewards", str(est != "rloo")]
-        check(f"{est} micro=1", 3, grpo_args("bnpo", 1, 0, False, flags), keep, loss, norm, want)
+        check(f"{est} micro=1", 3, args, keep, loss, norm, want)
 
 
 def synthetic(group_rewards):

@@ -14,7 +14,9 @@ from batching import (
     make_batch,
     micro_batches,
     micro_slice,
+    micro_stats,
     plan_micro_batches,
+    token_means,
 )
 from zero3_utils import all_cat, comm_device
 
@@ -119,6 +121,27 @@ def test_micro_slice_cuts_padding_and_slices_every_entry():
         assert mb["ref_logps"] is None
 
 
+def test_micro_stats_cut_the_whole_batchs_statistics_as_micro_slice_cuts_the_batch():
+    """A (B,) or (B, C) statistic of the whole batch reaches each micro-batch, a zero-weight
+    repeat's too, as the rows (and columns) micro_slice gave that micro-batch; numbers as they are.
+    Without a process group, all_cat is this rank's own rows."""
+    batch = ragged(B=6, P=5, C=4, seed=1)
+    keep = torch.tensor([1, 0, 1, 1, 0, 0]).bool()
+    per_row, per_token = torch.arange(6.0), torch.arange(24.0).view(6, 4)  # (B,), (B, C)
+    stats = {"normalizer": 7.0, "count": torch.tensor(3.0), "row": per_row, "token": per_token}
+    batch.update(row=per_row, token=per_token)  # micro_slice's cut of the same values
+    plan = plan_micro_batches(batch, 2, keep=keep) + [None]  # and a zero-weight repeat
+    weights = []
+    for idx, mb, weight in micro_batches(batch, plan):
+        weights.append(weight)
+        got = micro_stats(stats, idx, mb, torch.device("cpu"))
+        assert got["normalizer"] == 7.0 and got["count"] is stats["count"]
+        assert torch.equal(got["row"], mb["row"]) and torch.equal(got["token"], mb["token"])
+        assert got["token"].shape == mb["completion_mask"].shape  # (b, c)
+    assert weights == [1.0, 1.0, 0.0]  # the repeat (rows 0 and 2 again) got its rows too
+    assert torch.equal(all_cat(per_token), per_token)
+
+
 def _collectives_worker(rank, init_file, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -130,7 +153,18 @@ def _collectives_worker(rank, init_file, results):
         repeats = [(idx.tolist(), w) for idx, _, w in micro_batches(batch, kept)]
         summed = all_sum([1.5 * (rank + 1), rank])
         rows = all_cat(torch.full((3, 2), float(rank)))
+        uneven = all_cat(torch.arange(3 - 2 * rank, dtype=torch.long) + 10 * rank)  # 3 and 1 rows
+        try:
+            all_cat(torch.zeros(2, 1 + rank))  # rows of other shapes on each rank
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        mask = torch.tensor([[1, 1, 0], [1, 0, 0]]) if rank == 0 else torch.tensor([[1, 1, 1]])
+        means = token_means({"x": torch.full(mask.shape, rank + 1.0)}, mask)  # 3 tokens, then 3
         results[rank] = (
+            uneven.tolist(),
+            refused,
+            means,
             [None if i is None else i.tolist() for i in plan],
             summed,
             rows.tolist(),
@@ -145,8 +179,11 @@ def _collectives_worker(rank, init_file, results):
 def test_collectives_on_two_gloo_processes(tmp_path):
     results = mp.Manager().dict()
     mp.spawn(_collectives_worker, args=(str(tmp_path / "init"), results), nprocs=2)
-    plan0, sum0, rows0, dev0, where0, kept0 = results[0]
-    plan1, sum1, rows1, dev1, where1, kept1 = results[1]
+    uneven0, refused0, means0, plan0, sum0, rows0, dev0, where0, kept0 = results[0]
+    uneven1, refused1, means1, plan1, sum1, rows1, dev1, where1, kept1 = results[1]
+    assert uneven0 == uneven1 == [0, 1, 2, 10]  # unequal numbers of rows, rank by rank
+    assert "differ in shape" in refused0 and refused0 == refused1
+    assert means0 == means1 == {"x": 1.5}  # (3 x 1 + 3 x 2) / 6 tokens
     # a rank that kept no row runs as many zero-weight repeats as the other has micro-batches
     assert kept0 == [([0, 2], 1.0), ([4], 1.0)] and kept1 == [([0], 0.0), ([0], 0.0)]
     # ranks agree on 3 micro-batches

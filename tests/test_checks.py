@@ -892,18 +892,20 @@ def test_the_advantage_estimator_brings_its_own_reward_scaling(capsys):
     for est in grpo.ADVANTAGE_ESTIMATORS:
         assert grpo.parse_args(["--advantage_estimator", est]).scale_rewards is None, est
     rewards, G = torch.tensor([0.0, 1.0, 1.0, 3.0, 2.0, 2.0, 0.0, 5.0]), 4
-    args = grpo.parse_args([])
-    got = grpo.estimate_advantages(rewards, G, args.advantage_estimator, args.scale_rewards)
+    batch = {"input_ids": torch.ones(8, 3), "completion_mask": torch.ones(8, 2), "rewards": rewards}
+    args = grpo.parse_args(["--num_generations", str(G)])
+    got = grpo.estimate_advantages(batch, args)
     torch.testing.assert_close(got, grpo.group_advantages(rewards, G, scale=True))
-    args = grpo.parse_args(["--scale_rewards", "False"])
-    got = grpo.estimate_advantages(rewards, G, args.advantage_estimator, args.scale_rewards)
+    args = grpo.parse_args(["--num_generations", str(G), "--scale_rewards", "False"])
+    got = grpo.estimate_advantages(batch, args)
     torch.testing.assert_close(got, grpo.group_advantages(rewards, G, scale=False))
     with pytest.raises(RunError, match="rloo needs --scale_rewards False"):
         grpo.parse_args(["--advantage_estimator", "rloo", "--scale_rewards", "True"])
     with pytest.raises(SystemExit):
         grpo.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
-    assert "default: the estimator's own (grpo: True, rloo: False, reinforce_pp: True)" in out
+    own = ", ".join(f"{k}: {v}" for k, v in grpo.ESTIMATOR_SCALES.items())  # each estimator's
+    assert f"default: the estimator's own ({own})" in out
     assert not any(f.name == "scale_rewards" for f in dataclasses.fields(ppo.Args))  # GAE's own
 
 

@@ -1,5 +1,6 @@
 """grpo.py's pure functions against naive per-sequence loops, and accumulation equivalence."""
 
+import dataclasses
 import json
 import math
 import os
@@ -13,6 +14,7 @@ from conftest import torchrun
 from fit import Knobs
 from grpo import (
     ADVANTAGE_ESTIMATORS,
+    ESTIMATOR_SCALES,
     LOSS_TYPES,
     estimate_advantages,
     group_advantages,
@@ -67,9 +69,10 @@ def test_group_advantages(scale, G):
         group_advantages(torch.rand(5), 2, scale=scale)
 
 
-def naive_estimate(rewards, G, estimator, scale, keep):
+def naive_estimate(rewards, lengths, keep, G, estimator, scale):
     """grpo: naive_advantages; rloo: r_i minus the mean of the group's others; reinforce_pp: r
-    minus the group mean, then (x - mean) / (unbiased std + 1e-4) over the kept rows."""
+    minus the group mean, then (x - mean) / (unbiased std + 1e-4) over the kept rows. Lists of
+    the batch's rows: rewards, lengths (each completion's loss tokens), keep (bool)."""
     if estimator == "grpo":
         return naive_advantages(rewards, G, scale)
     out = []
@@ -86,26 +89,37 @@ def naive_estimate(rewards, G, estimator, scale, keep):
     return out
 
 
+def estimator_batch(rewards, lengths, keep, C=6):
+    """What grpo.estimate_advantages reads of to_batch's batch: rewards (B,), completions of
+    `lengths` tokens (completion_mask (B, C)), the keep mask (B,)."""
+    mask = (torch.arange(C)[None] < torch.as_tensor(lengths)[:, None]).long()  # (B, C)
+    return {"input_ids": mask, "completion_mask": mask, "rewards": rewards, "keep": keep}
+
+
 @pytest.mark.parametrize("estimator", ADVANTAGE_ESTIMATORS)
 @pytest.mark.parametrize("G", [2, 4])
 @pytest.mark.parametrize("dropped", [False, True])
 def test_estimate_advantages_matches_naive(estimator, G, dropped):
-    """--advantage_estimator, each against its naive loop; reinforce_pp's statistics count only
-    the rows the update keeps (one process: all_sum is this rank's own)."""
+    """--advantage_estimator, each at its own --scale_rewards against its naive loop on a batch
+    with completions of different lengths; reinforce_pp's statistics count only the rows the
+    update keeps (one process: all_sum is this rank's own)."""
     torch.manual_seed(1)
     rewards = torch.rand(3 * G, dtype=torch.float64) * 3
+    lengths = torch.randint(1, 7, (3 * G,))
     keep = torch.ones(3 * G, dtype=torch.bool)
     if dropped:
         keep[G : 2 * G] = False
-    scale = estimator != "rloo"
-    got = estimate_advantages(rewards, G, estimator, scale, keep)
-    want = naive_estimate(rewards.tolist(), G, estimator, scale, keep.tolist())
+    args = parse_args(["--advantage_estimator", estimator, "--num_generations", str(G)])
+    got = estimate_advantages(estimator_batch(rewards, lengths, keep), args)
+    scale = ESTIMATOR_SCALES[estimator]
+    want = naive_estimate(rewards.tolist(), lengths.tolist(), keep.tolist(), G, estimator, scale)
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64))
     if estimator == "reinforce_pp":  # whitened: mean 0 and std 1 over the kept rows
         assert abs(got[keep].mean().item()) < 1e-9
         assert got[keep].std().item() == pytest.approx(1.0, rel=1e-3)
+    past_the_choices = dataclasses.replace(args, advantage_estimator="ppo")  # its own refusal
     with pytest.raises(ValueError, match="estimator"):
-        estimate_advantages(rewards, G, "ppo")
+        estimate_advantages(estimator_batch(rewards, lengths, keep), past_the_choices)
 
 
 def clip_term(r, a, lp, el, eh):
@@ -464,11 +478,11 @@ def test_bad_input_fails_with_a_message_that_says_what_to_change(tmp_path):
     from grpo import parse_args
 
     for argv, msg in (
-        (["--loss_type", "sum"], "must be one of grpo, bnpo"),
+        (["--loss_type", "sum"], f"must be one of {', '.join(LOSS_TYPES)}"),
         (["--num_generations", "1"], ">= 2"),
         (["--vllm_importance_cap", "2"], "needs --use_vllm"),
         (["--importance_sampling_level", "group"], "token"),
-        (["--advantage_estimator", "gae"], "must be one of grpo, rloo"),
+        (["--advantage_estimator", "gae"], f"must be one of {', '.join(ADVANTAGE_ESTIMATORS)}"),
         (["--vllm_importance_mode", "seq"], "must be one of token_truncate"),
         (
             ["--use_vllm", "True", "--vllm_importance_mode", "token_mask"],

@@ -75,6 +75,19 @@ def test_gae_matches_naive_loop(gamma, lam, holes):
     assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0)
 
 
+def test_gae_takes_a_lambda_per_sequence():
+    """lam (B,): each sequence's advantages are its own row's GAE at its own lambda (a
+    length-adaptive lambda, VAPO's, is one line in main)."""
+    rewards, values, mask = random_case()
+    lam = torch.tensor([1.0, 0.95, 0.5, 0.0, 0.8], dtype=torch.float64)  # (B,)
+    adv, ret = gae(rewards, values, mask, 0.99, lam)
+    for i, row_lam in enumerate(lam.tolist()):
+        row = [rewards[i : i + 1].tolist(), values[i : i + 1].tolist(), mask[i : i + 1].tolist()]
+        want_adv, want_ret = naive_gae(*row, 0.99, row_lam)
+        torch.testing.assert_close(adv[i], torch.tensor(want_adv[0], dtype=torch.float64))
+        torch.testing.assert_close(ret[i], torch.tensor(want_ret[0], dtype=torch.float64))
+
+
 def test_gae_hand_computed():
     rewards = torch.tensor([[0.0, 1.0, 5.0]])
     values = torch.tensor([[0.5, 0.2, 9.0]])
