@@ -146,9 +146,11 @@ def policy_loss(t, args, normalizer):
     if args.entropy_coef:  # only then: an unused entropy gets no backward work
         per_token = per_token - args.entropy_coef * t.entropy  # (B, C)
     loss = (per_token * mask).sum() / normalizer
-    with torch.no_grad():  # sums over tokens: update() adds them up, the row divides by tokens
+    # sums over tokens: update() adds them up, the row divides by tokens. The loss is detached:
+    # no_grad does not detach a tensor made outside it, and float() of one that requires grad warns
+    with torch.no_grad():
         metrics = {
-            "policy_loss": loss,
+            "policy_loss": loss.detach(),
             "tokens": mask.sum(),
             "entropy": (t.entropy * mask).sum(),
             "clip": (is_clipped * mask).sum(),
@@ -171,7 +173,8 @@ def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
     loss_clipped = (v_clipped - returns) ** 2  # (B, C)
     loss = 0.5 * (torch.max(loss_unclipped, loss_clipped) * mask).sum() / normalizer
     with torch.no_grad():
-        metrics = {"value_loss": loss, "vf_clip": ((loss_clipped > loss_unclipped) * mask).sum()}
+        clipped = ((loss_clipped > loss_unclipped) * mask).sum()
+        metrics = {"value_loss": loss.detach(), "vf_clip": clipped}  # detached, as policy_loss's
     return loss, metrics
 
 
