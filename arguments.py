@@ -12,7 +12,8 @@ A range is "> a", ">= a" or an interval "(a, b]", "[a, b)", ...; a string field'
 tuple. A value outside it, NaN or inf is refused with one message naming the flag, the value and
 the range (exit 2, exits.RunError); --help shows it after the field's help text. A flag is
 never abbreviated (--max_step is unknown, and the message names --max_steps, as it names the
-closest flag to a typo), and a value may start with "-" and a digit ("--learning_rate -1e-4").
+closest flag to a typo; for one of TRL's names, TRL_FLAGS, what does its job here), and a value
+may start with "-" and a digit ("--learning_rate -1e-4").
 Imports exits.py (RunError) and zero3_utils.py (process_rank).
 """
 
@@ -52,14 +53,124 @@ def parse_args_quietly(dataclass_type, argv=None):
     return args
 
 
+# ---- TRL's flag names that are no flag here, and what does their job (docs/from-trl.md) ----------
+# GRPOConfig, PPOConfig, RewardConfig, the TrainingArguments under them and the trl CLI's
+# ModelConfig and ScriptArguments. A TRL flag that is a flag here too is not listed (--beta,
+# --learning_rate, --num_generations, --max_completion_length, --use_vllm, --lora_r, ...), even
+# where its meaning differs (--per_device_train_batch_size: sequences per micro-batch here).
+_STEP = "--prompts_per_rank prompts x --num_generations completions per rank"
+_SERVER = "--vllm_server_url http://HOST:PORT (run.sh with VLLM_DEVICES=... starts one)"
+_NO_HUB = "none: the final model is <run_dir>/final, a save_pretrained directory, to push yourself"
+_SAMPLING = "none: sampling takes --temperature and --top_p only"
+TRL_FLAGS = {
+    "--output_dir": "--run_dir (RUN_DIR with run.sh; default runs/<algo>-<time>)",
+    "--overwrite_output_dir": "--overwrite True",
+    "--gradient_accumulation_steps": (
+        "none needed: an optimizer step takes the step's whole batch (" + _STEP + "; ppo.py: "
+        "each of its --num_mini_batches), accumulated over micro-batches of "
+        "--per_device_train_batch_size sequences (or --max_tokens_per_microbatch) that never "
+        "change the update"
+    ),
+    "--num_train_epochs": (
+        "--max_steps (steps, not epochs: each takes " + _STEP + "; the data is reshuffled "
+        "for each pass over it)"
+    ),
+    "--per_device_eval_batch_size": (
+        "none: held-out evaluation samples --eval_samples completions of --num_eval_prompts "
+        "prompts every --eval_steps"
+    ),
+    "--eval_strategy": "--eval_steps N (--num_eval_prompts 0: no evaluation)",
+    "--save_strategy": "--save_steps N (0: none between) and --save_last",
+    "--logging_steps": (
+        "none: every step is a row of <run_dir>/metrics.jsonl (and of wandb with --report_to wandb)"
+    ),
+    "--lr_scheduler_type": "none: linear warmup over --warmup_steps, then constant",
+    "--warmup_ratio": "--warmup_steps (a number of steps)",
+    "--bf16": "--dtype bf16 (the default, auto: bf16 on a GPU that has it, else fp32)",
+    "--fp16": "none: --dtype bf16 or fp32",
+    "--torch_dtype": "--dtype (auto, bf16 or fp32)",
+    "--deepspeed": "--ds_config (DS_CONFIG with run.sh; configs/*.json)",
+    "--optim": "the DeepSpeed JSON's optimizer (--ds_config; configs/*.json: AdamW)",
+    "--resume_from_checkpoint": "--resume True (the latest checkpoint in --run_dir)",
+    "--push_to_hub": _NO_HUB,
+    "--hub_model_id": _NO_HUB,
+    "--model_name_or_path": "--model (MODEL with run.sh)",
+    "--use_peft": "--lora_r N: N > 0 trains LoRA adapters (TRL's default r: --lora_r 16)",
+    "--lora_dropout": "none: the adapters have no dropout",
+    "--load_in_4bit": "none: no quantised training",
+    "--load_in_8bit": "none: no quantised training",
+    "--dataset_name": "--data (a file, a datasets directory or a hub id; DATA with run.sh)",
+    "--dataset_config": "--data_config",
+    "--dataset_train_split": "--data_split",
+    "--dataset_test_split": "none: the held-out prompts are split off --data (--num_eval_prompts)",
+    "--reward_model_name_or_path": "--reward_model (ppo.py)",
+    "--epsilon": "--epsilon_low (grpo.py, with --epsilon_high) or --cliprange (ppo.py)",
+    "--top_k": _SAMPLING,
+    "--min_p": _SAMPLING,
+    "--repetition_penalty": _SAMPLING,
+    "--num_generations_eval": "--eval_samples",
+    "--steps_per_generation": (
+        "none: each step samples one batch; grpo.py's --num_iterations N takes N optimizer steps "
+        "on it"
+    ),
+    "--vllm_server_base_url": _SERVER,
+    "--vllm_server_host": _SERVER,
+    "--vllm_server_port": _SERVER,
+    "--vllm_max_model_length": "none: --max_prompt_length + --max_completion_length",
+    "--vllm_importance_sampling_correction": "--vllm_importance_cap C > 0 (grpo.py)",
+    "--vllm_importance_sampling_mode": "--vllm_importance_mode (grpo.py; the same four modes)",
+    "--vllm_importance_sampling_cap": "--vllm_importance_cap (grpo.py)",
+    "--vllm_importance_sampling_clip_max": "--vllm_importance_cap (grpo.py)",
+    "--vllm_importance_sampling_clip_min": "--vllm_importance_min (grpo.py)",
+    "--multi_objective_aggregation": (
+        "none: the rewards' weighted sum (--reward_weights), then the group's advantage (TRL's "
+        "default, sum_then_normalize)"
+    ),
+    "--use_liger_kernel": "none needed: log-probs never build the (B, T, V) logits (logprobs.py)",
+    "--center_rewards_coefficient": "--center_coef (rm.py)",
+    "--max_length": "--max_prompt_length and --max_completion_length (rm.py: the response's)",
+    "--num_ppo_epochs": "--ppo_epochs (ppo.py)",
+    "--vf_coef": (
+        "none: actor and critic are separate models, each with its own optimizer "
+        "(--critic_learning_rate, ppo.py)"
+    ),
+    "--response_length": "--max_completion_length",
+    "--total_episodes": "--max_steps (each step: " + _STEP + ")",
+    "--sft_model_path": "--model",
+    "--reward_model_path": "--reward_model (ppo.py)",
+    "--local_rollout_forward_batch_size": (
+        "--per_device_train_batch_size (ppo.py's no-grad passes take the update's micro-batches)"
+    ),
+}
+
+
+def trl_hints(unknown):
+    """'; --output_dir is TRL's: here --run_dir ...' for each unknown flag that TRL_FLAGS names,
+    and a word on lists when a flag was given several values (TRL's --reward_funcs a b)."""
+    said = ""
+    for token in (u.split("=")[0] for u in unknown if u.startswith("--")):
+        if token in TRL_FLAGS:
+            said += f"; {token} is TRL's; here: {TRL_FLAGS[token]}"
+    # a value that follows no unknown flag: one more value for a flag that takes one
+    after = [""] + [u if u.startswith("--") and "=" not in u else "" for u in unknown]
+    if any(not u.startswith("--") and not flag for u, flag in zip(unknown, after)):
+        said += (
+            "; a flag takes one value: a list is comma-separated (--reward_funcs a,b "
+            "--reward_weights 1,0.5, not TRL's space-separated lists)"
+        )
+    return said
+
+
 def closest_flags(unknown, dataclass_type):
     """'; --max_stpes is not a flag; did you mean --max_steps?' for each unknown flag (argv tokens
     that start with --) with a close one among the dataclass's fields and their aliases; a prefix of
-    one says that flags are never abbreviated."""
+    one says that flags are never abbreviated. TRL's names (TRL_FLAGS) get trl_hints instead."""
     flags = [f"--{f.name}" for f in dataclasses.fields(dataclass_type)]
     flags += [a for f in dataclasses.fields(dataclass_type) for a in f.metadata.get("aliases", ())]
-    said = ""
+    said = trl_hints(unknown)
     for token in (u.split("=")[0] for u in unknown if u.startswith("--")):
+        if token in TRL_FLAGS:
+            continue
         prefix = [f for f in flags if f.startswith(token)]
         near = prefix[:3] or difflib.get_close_matches(token, flags, n=1, cutoff=0.75)
         if near:

@@ -95,9 +95,11 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
             hint = f'; {where} has no "{args.answer_field}" field (the functions get None)'
 
         def score(rows, completions, g):
+            # token ids for TRL's form of reward, as the tokenizer reads the probe's text
+            ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
             if env:  # multi-turn: the rewards get each completion as messages after the prompt
                 completions = [[{"role": "assistant", "content": c}] for c in completions]
-            return score_completions(funcs, weights, rows, completions, g)
+            return score_completions(funcs, weights, rows, completions, g, completion_ids=ids)
 
         probe_rewards(score, probe, hint=hint)
     return dict(

@@ -12,11 +12,13 @@ conversation), the held-out split, and the order the rows are seen in.
 another directory of data files, or a hub id (already in the local cache on an offline machine),
 loaded with `datasets.load_dataset` (`load_from_disk` for a saved directory); `config` names one of
 a hub dataset's (or a directory's) subsets, as gsm8k's "main". A row is a dict
-{"prompt": ..., "answer": ..., "index": i}: the prompt is a string or a conversation, a list of
-{"role", "content"} messages (TRL's conversational format, a system turn included); the answer is
-whatever the answer field holds (None where it is missing); `index` is the row's place in the
-source, for messages (`row_name`). A bad row is a ValueError naming it: its line in a JSONL file
-(blank lines counted), else its 1-based row. Imports only tasks.py (the built-in task).
+{"prompt": ..., "answer": ..., "index": i, "columns": {...}}: the prompt is a string or a
+conversation, a list of {"role", "content"} messages (TRL's conversational format, a system turn
+included); the answer is whatever the answer field holds (None where it is missing); `index` is
+the row's place in the source, for messages (`row_name`); `columns` the source row's fields but
+the prompt's, which rewards in TRL's form get by name. A bad row is a ValueError naming it: its
+line in a JSONL file (blank lines counted), else its 1-based row. Imports only tasks.py (the
+built-in task).
 """
 
 import json
@@ -127,8 +129,8 @@ def _read_json(path, ext):
 
 
 def load_rows(data, split="train", prompt_field="prompt", answer_field="answer", config=""):
-    """[{"prompt", "answer", "index"}] from --data in source order; a row whose prompt field is
-    neither a string nor a well-formed conversation is a ValueError naming the row."""
+    """[{"prompt", "answer", "index", "columns"}] from --data in source order; a row whose prompt
+    field is neither a string nor a well-formed conversation is a ValueError naming the row."""
     try:
         raw = _read(data, split, config)
     except (OSError, UnicodeDecodeError) as e:
@@ -155,7 +157,11 @@ def load_rows(data, split="train", prompt_field="prompt", answer_field="answer",
                 f"{json.dumps(r, default=str)[:80]!r}; a conversation is a non-empty list of "
                 f'{{"role": one of {", ".join(ROLES)}, "content": "..."}}'
             )
-        rows.append({"prompt": prompt, "answer": r.get(answer_field), "index": i})
+        # the other fields, for rewards in TRL's form (each column by its name: tasks.py)
+        columns = {k: v for k, v in r.items() if k != prompt_field}
+        rows.append(
+            {"prompt": prompt, "answer": r.get(answer_field), "index": i, "columns": columns}
+        )
     if not rows:
         raise ValueError(f"--data {data} has no rows; {ROW_SHAPE}")
     return rows

@@ -3,8 +3,8 @@ user) until it is done. The sampled token ids are kept exactly as sampled (never
 encoded again); only the environment's turns are tokenized, as the chat template's text between
 the end of the assistant turn and the next assistant prompt. The loss mask is 1 on sampled
 tokens and 0 on the environment's. Imports batching.py (the prompts, a sum over ranks),
-generation.py (Generations), arguments.py (grpo.py's --env and --max_turns: EnvArgs) and
-zero3_utils.py (a max over ranks).
+generation.py (Generations), arguments.py (grpo.py's --env and --max_turns: EnvArgs), tasks.py
+(import_user_module: the module --env names) and zero3_utils.py (a max over ranks).
 
 An environment is a plain object that `--env module:factory` names; factory() makes one per
 conversation:
@@ -34,7 +34,6 @@ Letters: N prompts on this rank, G completions each, B = N * G conversations, C 
 max_completion_length (all turns of a conversation together).
 """
 
-import importlib
 import json
 import os
 import random
@@ -47,6 +46,7 @@ import torch
 from arguments import arg
 from batching import all_sum, encode_prompts
 from generation import Generations
+from tasks import import_user_module
 from zero3_utils import all_max
 
 
@@ -84,7 +84,7 @@ def load_env(spec):
     if not sep or not module or not name:
         raise EnvError(f"--env {spec!r}: write module:factory (e.g. envs:calculator)")
     try:
-        factory = getattr(importlib.import_module(module), name)
+        factory = getattr(import_user_module(module), name)  # also where run.sh was run from
     except (ImportError, AttributeError) as e:
         raise EnvError(f"--env {spec}: {type(e).__name__}: {e}") from None
     if not callable(factory):
@@ -255,10 +255,11 @@ def sample_episodes(run, rows, args, factory, G):
         run.stop_ids,
         run.template_kwargs,
     )
-    rewards, per_func = run.score(rows, ep.completions, G)  # completions: messages
+    gens = Generations(ep.completion_ids, ep.completion_mask, ep.logprobs)
+    rewards, per_func = run.score(rows, ep.completions, G, gens)  # completions: messages
     return {
         "prompt_ids": ep.prompt_ids,
-        "gens": Generations(ep.completion_ids, ep.completion_mask, ep.logprobs),
+        "gens": gens,
         "rewards": rewards,
         "per_func": per_func,
         "loss_mask": ep.loss_mask,  # (B, C)

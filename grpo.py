@@ -279,7 +279,7 @@ def sample_groups(run, rows, args, env=None, G=None):
     prompt_ids = run.encode(rows)
     gens = run.generate(prompt_ids, G)
     completions = run.tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
-    rewards, per_func = run.score(rows, completions, G)
+    rewards, per_func = run.score(rows, completions, G, gens)
     return {"prompt_ids": prompt_ids, "gens": gens, "rewards": rewards, "per_func": per_func}
 
 

@@ -69,7 +69,7 @@ from logprobs import DEFAULT_CHUNK_SIZE
 from memory import MemoryLedger
 from recipes import apply_recipe
 from runlog import RunLog
-from tasks import pass_at_k, score_completions
+from tasks import pass_at_k, score_completions, solved_mask
 from vllm_server import vllm_generator, write_server_settings
 from zero3_load import enable_gradient_checkpointing, load_model
 from zero3_utils import (
@@ -138,7 +138,11 @@ class RunArgs:
     max_bad_steps: int = arg(3, "stop after this many non-finite steps in a row", ">= 1")
     # memory (fit.MEMORY_KNOBS); the old names are still accepted
     per_device_train_batch_size: int = arg(
-        32, "sequences per micro-batch", ">= 1", aliases="--micro_train_batch_size"
+        32,
+        "sequences per micro-batch (not TRL's completions per device per step: that is "
+        "prompts_per_rank x num_generations)",
+        ">= 1",
+        aliases="--micro_train_batch_size",
     )
     max_tokens_per_microbatch: int = arg(0, "> 0: micro-batches by padded-token budget", ">= 0")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward")
@@ -524,13 +528,18 @@ class Run:
             self.tokenizer, rows, self.args.max_prompt_length, self.template_kwargs
         )
 
-    def score(self, rows, completions, num_generations):
-        """The reward functions' weighted total (B,) and each one's raw rewards {name: (B,)}.
+    def score(self, rows, completions, num_generations, gens=None):
+        """The reward functions' weighted total (B,) and each one's raw rewards {name: (B,)};
+        gens (generation.Generations): the completions' token ids, for TRL's form of reward.
         Under sequence parallelism the group's first rank scores and the others receive."""
-        first = self.sp is None or self.sp.rank == 0
         out = None
-        if first:
-            out = score_completions(self.funcs, self.weights, rows, completions, num_generations)
+        if self.sp is None or self.sp.rank == 0:
+            ids = None
+            if gens is not None:  # each completion's ids, as TRL passes them: B lists, no padding
+                pairs = zip(gens.completion_ids, gens.completion_mask.bool())
+                ids = [row[mask].tolist() for row, mask in pairs]
+            args = (self.funcs, self.weights, rows, completions, num_generations)
+            out = score_completions(*args, completion_ids=ids)
         return out if self.sp is None else sequence_parallel.from_first(out)
 
     def generate(self, prompt_ids, num_generations, max_new_tokens=None):
@@ -670,9 +679,10 @@ class Run:
         )
 
     def held_out(self, step, when):
-        """Held-out mean reward and accuracy (every reward function >= 1) over --eval_samples k
-        sampled completions per prompt, prompts split over ranks, the same samples at every point
-        of a run; k > 1: also eval/pass@1 and eval/pass@k by Chen et al.'s estimator."""
+        """Held-out mean reward and accuracy (every reward function >= 1: tasks.solved_mask) over
+        --eval_samples k sampled completions per prompt, prompts split over ranks, the same samples
+        at every point of a run; k > 1: also eval/pass@1 and eval/pass@k by Chen et al.'s
+        estimator."""
         # wakes it after sleep(); asynchronous runs sync after each update, and once before their
         # first score (a server holds what it was started with: another run's weights, say)
         if self.vllm is not None and (self.sync_for_eval or not self.vllm.syncs):
@@ -687,7 +697,7 @@ class Run:
         if self.eval_rows:
             total, per_func = self.eval_sample(mine)  # (B * k,), {name: (B * k,)}, prompt-major
             solved = (
-                torch.stack([r >= 1 for r in per_func.values()]).all(0)
+                solved_mask(per_func)  # every function that scored it gave >= 1
                 if per_func
                 else torch.zeros(len(mine) * k)  # a reward model's score: no accuracy
             )  # (B * k,)

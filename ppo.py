@@ -148,9 +148,11 @@ def policy_loss(t, args, normalizer):
     if args.entropy_coef:  # only then: an unused entropy gets no backward work
         per_token = per_token - args.entropy_coef * t.entropy  # (B, C)
     loss = (per_token * mask).sum() / normalizer
-    with torch.no_grad():  # sums over tokens: update() adds them up, the row divides by tokens
+    # sums over tokens: update() adds them up, the row divides by tokens. The loss is detached:
+    # no_grad does not detach a tensor made outside it, and float() of one that requires grad warns
+    with torch.no_grad():
         metrics = {
-            "policy_loss": loss,
+            "policy_loss": loss.detach(),
             "tokens": mask.sum(),
             "entropy": (t.entropy * mask).sum(),
             "clip": (is_clipped * mask).sum(),
@@ -173,7 +175,8 @@ def value_loss(values, old_values, returns, mask, clip_range_value, normalizer):
     loss_clipped = (v_clipped - returns) ** 2  # (B, C)
     loss = 0.5 * (torch.max(loss_unclipped, loss_clipped) * mask).sum() / normalizer
     with torch.no_grad():
-        metrics = {"value_loss": loss, "vf_clip": ((loss_clipped > loss_unclipped) * mask).sum()}
+        clipped = ((loss_clipped > loss_unclipped) * mask).sum()
+        metrics = {"value_loss": loss.detach(), "vf_clip": clipped}  # detached, as policy_loss's
     return loss, metrics
 
 
@@ -220,7 +223,8 @@ class Args(harness.RunArgs):
     critic_learning_rate: float = arg(2e-3, "critic LR (~9e-6 pretrained)", "> 0")
     per_device_train_batch_size: int = arg(
         64,
-        "sequences per micro-batch (forward/backward)",
+        "sequences per micro-batch (forward/backward; not TRL's completions per device per step: "
+        "that is prompts_per_rank x num_generations)",
         ">= 1",
         aliases="--micro_train_batch_size",
     )
@@ -265,10 +269,10 @@ def memory_models(args):
 
 
 # ---- Rollout: generate, score, and the no-grad forwards (critic.py: the value model) ----------
-def score(run, rows, completions, num_generations, batch, plan, reward_model):
+def score(run, rows, completions, gens, batch, plan, reward_model):
     """Scores (B,) and, for rule-based rewards, each function's raw rewards {name: (B,)}."""
     if reward_model is None:
-        return run.score(rows, completions, num_generations)
+        return run.score(rows, completions, gens.completion_ids.shape[0] // len(rows), gens)
     out = torch.zeros(batch["input_ids"].shape[0])  # (B,)
     with torch.no_grad():
         # the reward model reads the rightmost non-pad token (the EOS or the last one)
@@ -472,7 +476,7 @@ def main(argv=None):
         completions = run.tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
         batch = make_batch(prompt_ids, gens, run.tokenizer.pad_token_id)
         plan = plan_micro_batches(batch, run.knobs.per_device_train_batch_size)
-        total, per_func = score(run, rows, completions, k, batch, plan, reward_model)
+        total, per_func = score(run, rows, completions, gens, batch, plan, reward_model)
         if rule:  # eval/accuracy by the task's own rule beside the reward model's eval/reward
             per_func = score_completions(*rule, rows, completions, k)[1]
         return total, per_func
@@ -498,7 +502,8 @@ def main(argv=None):
             plan = plan_micro_batches(
                 batch, knobs.per_device_train_batch_size, knobs.max_tokens_per_microbatch
             )
-            scores, per_func = score(run, rows, completions, G, batch, plan, reward_model)  # (B,)
+            # scores (B,)
+            scores, per_func = score(run, rows, completions, gens, batch, plan, reward_model)
         t_rollout = time.time() - run.t0
 
         # 2. old log-probs, reference log-probs, values: no grad, micro-batch by micro-batch

@@ -153,10 +153,11 @@ def _think_format(text):
 
 def think_format_reward(prompts, completions, answers):
     """1 for "<think>...</think>answer" (one think block, then a non-empty answer outside any
-    block), else 0. When the prompt ends with "<think>", the completion continues that block."""
+    block), else 0. When the prompt ends with "<think>", the completion continues that block (a
+    conversation's prompt, a list of messages, never does: its template's text is not seen)."""
     prompts = prompts or [""] * len(completions)
     return [
-        _think_format("<think>" + c if p.rstrip().endswith("<think>") else c)
+        _think_format("<think>" + c if isinstance(p, str) and p.rstrip().endswith("<think>") else c)
         for p, c in zip(prompts, completions)
     ]
 

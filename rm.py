@@ -101,7 +101,8 @@ class Args(harness.RunArgs):
     )
     per_device_train_batch_size: int = arg(
         64,
-        "sequences per micro-batch (2 per pair: even)",
+        "sequences per micro-batch (2 per pair: even; TRL's pairs per device per step is "
+        "prompts_per_rank)",
         ">= 2",
         aliases="--micro_train_batch_size",
     )

@@ -21,8 +21,10 @@
 #                "answer": ...}, a datasets directory or a hub id (data.py). A relative path is
 #                read from the directory you ran run.sh from, as --data, --model and the others
 #   RUN_DIR      where metrics, checkpoints and the final model go (default runs/<algo>-<time>);
-#                resume with RUN_DIR=<that dir> bash run.sh grpo --resume True; a relative one (or
-#                --run_dir) is under the directory you ran run.sh from
+#                resume with RUN_DIR=<that dir> bash run.sh grpo --resume True; the default, a
+#                relative one and --run_dir are under the directory you ran run.sh from
+#   PYTHONPATH   where the modules of --reward_funcs and --env are found, beside the directory you
+#                ran run.sh from (searched last); a relative entry (PYTHONPATH=.) is from there too
 #   VLLM_DEVICES vLLM on devices of its own (--vllm_mode server): e.g. 6,7 starts one vLLM server on
 #                GPUs 6 and 7 (tensor parallel over both) and torchrun on the other GPUs (NPROC
 #                defaults to their number, CUDA_VISIBLE_DEVICES to their list); on a CPU-only machine
@@ -56,7 +58,8 @@ set -euo pipefail
 # Paths are the user's: a relative DATA, MODEL, DS_CONFIG, --data, --model, --reward_model,
 # --teacher_model or --ds_config that names something in the directory run.sh was run from is made
 # absolute (one that does not, a hub id or a path from the repository, stays as given); a relative
-# RUN_DIR or --run_dir is always under that directory. Then run.sh works from the repository.
+# RUN_DIR or --run_dir, and the default run directory, are always under that directory. Then run.sh
+# works from the repository.
 here=$PWD
 input_path() { if [[ -n $1 && $1 != /* && -e $here/$1 ]]; then echo "$here/$1"; else echo "$1"; fi; }
 output_path() { if [[ -n $1 && $1 != /* ]]; then echo "$here/$1"; else echo "$1"; fi; }
@@ -79,6 +82,16 @@ set -- ${user_args[@]+"${user_args[@]}"}
 [[ -z ${MODEL:-} ]] || MODEL=$(input_path "$MODEL")
 [[ -z ${DS_CONFIG:-} ]] || DS_CONFIG=$(input_path "$DS_CONFIG")
 [[ -z ${RUN_DIR:-} ]] || RUN_DIR=$(output_path "$RUN_DIR")
+# Python modules are the user's too: a relative PYTHONPATH entry (PYTHONPATH=., or an empty one) is
+# made absolute from here, and the directory run.sh was run from is searched last for the modules
+# --reward_funcs and --env name (tasks.import_user_module), so `--reward_funcs mymod.myfunc` finds
+# mymod.py beside the user, and never hides a module of the repository or an installed package.
+if [[ -n ${PYTHONPATH:-} ]]; then
+  IFS=: read -ra entries <<< "$PYTHONPATH:"; absolute=()
+  for e in "${entries[@]}"; do [[ $e == /* ]] && absolute+=("$e") || absolute+=("$here/$e"); done
+  PYTHONPATH=$(IFS=:; echo "${absolute[*]}")
+fi
+export LEAN_RL_USER_DIR=$here
 cd "$(dirname "$0")"
 
 # The environment: .venv (created and installed the first time, later a check), or one of your own
@@ -117,7 +130,7 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # less fragmentation w
 export TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 [[ $GPUS != 0 ]] || export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}   # CPU: a small KV cache
 
-run_dir=${RUN_DIR:-runs/$ALGO-$(date +%Y%m%d-%H%M%S)}
+run_dir=${RUN_DIR:-$here/runs/$ALGO-$(date +%Y%m%d-%H%M%S)}   # under the directory run from
 args=(--ds_config "${DS_CONFIG:-configs/zero3.json}" --run_dir "$run_dir")
 model=${MODEL:-} recipe=""   # the last --model, --run_dir and --recipe given win
 prev=""

@@ -7,17 +7,28 @@
     total, per_func = score_completions(funcs, weights, rows, completions, num_generations=8)
     row = reward_stats(seq, list(per_func))  # the metrics of every rank's rewards and lengths
 
-A row is a dict {"prompt": a string or a list of {"role", "content"} messages, "answer": ...}.
-A reward function is a plain callable (prompts, completions, answers) -> list[float], one value per
-completion; prompts are the rows' prompts as they are (a conversation stays a list of messages),
-completions are decoded text without special tokens; give your own as `module:function` (the
-module on PYTHONPATH); `f.needs_answer = True` makes the pre-flight refuse
-data with rows that carry no answer (such a row's answer is None). Imports no sibling file except
-`tiny_models` (`task_model` builds the from-scratch model of the built-in task). Rewards for
-real recipes (math answers, a <think> format, a length penalty) are in rewards.py.
+A row is a dict {"prompt": a string or a list of {"role", "content"} messages, "answer": ...,
+"columns": {the source row's other fields}} (the built-in task's rows have no "columns").
+A reward function is a plain callable in one of two forms, told apart by its signature
+(takes_keywords):
+  - positional, (prompts, completions, answers) -> list[float]: prompts are the rows' prompts as
+    they are (a conversation stays a list of messages), completions are decoded text without
+    special tokens;
+  - TRL's, f(completions, **kwargs) -> list[float | None], called with the keywords prompts,
+    completions (a conversation's as [{"role": "assistant", "content": text}]), completion_ids
+    (each completion's token ids), answer and every other column of the row by its name; None
+    for a completion it does not score (TRL's multi-task rewards).
+One value per completion either way; give your own as `module:function` or `module.function`
+(the module on PYTHONPATH, or in the directory run.sh was run from: import_user_module);
+`f.needs_answer = True` makes the pre-flight refuse data with rows that carry no answer (such a
+row's answer is None). Imports no sibling file except `tiny_models` (`task_model` builds the
+from-scratch model of the built-in task). Rewards for real recipes (math answers, a <think>
+format, a length penalty) are in rewards.py.
 """
 
+import asyncio
 import importlib
+import inspect
 import itertools
 import math
 import os
@@ -25,6 +36,7 @@ import random
 import shutil
 import sys
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -98,28 +110,45 @@ def _where(e):
     return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
 
 
+# run.sh works from the repository: it names the directory it was run from here
+USER_DIR_ENV = "LEAN_RL_USER_DIR"
+
+
+def import_user_module(name):
+    """importlib.import_module(name), with the user's directory (the one run.sh was run from, else
+    the working directory) last on sys.path: a module of theirs is found where they stand, and
+    never hides one of the repository's or an installed package (as PYTHONPATH=. would)."""
+    where = os.path.abspath(os.environ.get(USER_DIR_ENV) or os.getcwd())
+    if where not in (os.path.abspath(p or ".") for p in sys.path):
+        sys.path.append(where)
+    return importlib.import_module(name)
+
+
 def load_reward_funcs(spec):
-    """'module:function,module:function' (or a bare name of BUILT_IN) -> callables. A module that is
-    not there or fails to import (any exception), a missing name, or one that is not callable is a
-    ValueError naming module:function and the cause."""
+    """'module:function,module.function,...' (or a bare name of BUILT_IN) -> callables. A module
+    that is not there or fails to import (any exception), a missing name, or one that is not
+    callable is a ValueError naming the item and the cause."""
     funcs = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        module, _, name = item.rpartition(":")
+        # module:function, or TRL's dotted path (pkg.module.function)
+        module, _, name = item.rpartition(":") if ":" in item else item.rpartition(".")
         flag = f"--reward_funcs {item!r}"
         if not module:
             if name not in BUILT_IN:
                 raise ValueError(
                     f"{flag}: not a built-in reward ({', '.join(BUILT_IN)}); write "
-                    f"module:function, with the module on PYTHONPATH"
+                    f"module:function (or module.function), with the module on PYTHONPATH or in "
+                    f"the directory you run from"
                 )
             funcs.append(getattr(sys.modules[__name__], name))
             continue
         try:
-            mod = importlib.import_module(module)
+            mod = import_user_module(module)
         except ModuleNotFoundError as e:
             if e.name and (module == e.name or module.startswith(e.name + ".")):  # not its import
                 raise ValueError(
-                    f"{flag}: no module {module!r} on PYTHONPATH; write module:function"
+                    f"{flag}: no module {module!r} on PYTHONPATH or in the directory you run from "
+                    f"({os.environ.get(USER_DIR_ENV) or os.getcwd()}); write module:function"
                 ) from None
             raise ValueError(
                 f"{flag}: importing {module} failed: ModuleNotFoundError: {e} (at {_where(e)})"
@@ -144,8 +173,7 @@ def load_reward_funcs(spec):
         f = getattr(mod, name)
         if not callable(f):
             raise ValueError(
-                f"{flag}: {module}.{name} is a {type(f).__name__}, not a function "
-                f"(prompts, completions, answers) -> list[float]"
+                f"{flag}: {module}.{name} is a {type(f).__name__}, not a function; {FORMS}"
             )
         funcs.append(f)
     return funcs
@@ -186,62 +214,188 @@ def _name(f):
     return f"{getattr(f, '__module__', '?')}.{getattr(f, '__name__', repr(f))}"
 
 
-def call_reward(f, prompts, completions, answers):
-    """f's rewards as a (B,) float tensor; any failure of f is a RewardError naming f."""
+FORMS = (
+    "a reward function is either f(prompts, completions, answers) -> list[float], called "
+    "positionally with the completions as text, or TRL's f(completions, **kwargs) -> "
+    "list[float | None], called with the keywords prompts, completions (messages when the prompts "
+    "are conversations), completion_ids, answer and the row's columns by name; TRL's form is told "
+    "by the signature: a **kwargs (and no parameter named answers), a first parameter named "
+    "completions, one named completion_ids, or fewer than three positional parameters"
+)
+
+
+def reward_names(funcs):
+    """The names the functions' rewards are logged under: each one's __name__, or module.name for
+    names that two functions share (TRL's examples all call theirs reward_func)."""
+    names = [getattr(f, "__name__", repr(f)) for f in funcs]
+    return [_name(f) if names.count(n) > 1 else n for f, n in zip(funcs, names)]
+
+
+def takes_keywords(f):
+    """Whether reward function f takes TRL's keyword arguments (else the positional (prompts,
+    completions, answers)), read from its signature: a **kwargs (unless it names `answers`, the
+    positional form's third), a parameter named completion_ids, a first parameter named
+    completions, a required keyword-only parameter, or fewer than three positional ones."""
     try:
-        values = f(prompts, completions, answers)
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): the positional form
+        return False
+    names = [p.name for p in params]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return "answers" not in names
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_three = len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
+    keyword_only = any(p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in params)
+    return (
+        not takes_three or keyword_only or names[:1] == ["completions"] or "completion_ids" in names
+    )
+
+
+def reward_kwargs(rows, prompts, completions, completion_ids, answers, num_generations):
+    """TRL's keyword arguments for the B = rows x num_generations completions: every column of the
+    rows' source by its name (None in a row without it), answer (--answer_field's, as the positional
+    form's answers), prompts, completions (a conversation's text as one assistant message, as TRL
+    passes them; an environment's messages as they are), completion_ids (B lists of token ids)."""
+    names = dict.fromkeys(k for r in rows for k in r.get("columns", {}))
+    kwargs = {
+        k: [r.get("columns", {}).get(k) for r in rows for _ in range(num_generations)]
+        for k in names
+    }
+    chat = [isinstance(r["prompt"], list) for r in rows for _ in range(num_generations)]
+    completions = [
+        [{"role": "assistant", "content": c}] if is_chat and isinstance(c, str) else c
+        for c, is_chat in zip(completions, chat)
+    ]
+    kwargs.update(
+        answer=answers, prompts=prompts, completions=completions, completion_ids=completion_ids
+    )
+    return kwargs
+
+
+def call_reward(f, completions, args=(), kwargs=None):
+    """f(*args) (the positional form) or f(**kwargs) (TRL's: only the keywords f names, unless it
+    has **kwargs) as a (B,) float tensor, one value per completion, NaN where f returned None; any
+    failure of f (it cannot take the arguments, raises, miscounts, returns a non-number, NaN or
+    inf) is a RewardError naming f."""
+    kwargs = kwargs or {}
+    given = "prompts, completions, answers" if args else f"TRL's keywords {', '.join(kwargs)}"
+    try:
+        params = inspect.signature(f).parameters
+    except (TypeError, ValueError):  # no signature to read: call it and see
+        params = None
+    if params is not None:
+        if kwargs and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        try:
+            inspect.signature(f).bind(*args, **kwargs)
+        except TypeError as e:  # the call itself would fail: neither form as written
+            trainer = [k for k in ("trainer_state", "log_extra", "log_metric") if k in str(e)]
+            own = f" ({', '.join(trainer)}: TRL's trainer's own, not passed here)" * bool(trainer)
+            raise RewardError(
+                f"reward function {_name(f)} cannot be called with ({given}): {e}{own}; {FORMS}"
+            ) from None
+    try:
+        values = f(*args, **kwargs)
+        if inspect.iscoroutine(values):  # TRL's `async def` rewards: awaited here, one by one
+            values = asyncio.run(values)
     except Exception as e:  # the user's code: whatever it raises, say whose it is and where
+        form = "positionally (prompts, completions, answers)" if args else "with TRL's keywords"
+        hint = f"; it was called {form}: {FORMS}" if isinstance(e, (TypeError, KeyError)) else ""
         raise RewardError(
-            f"reward function {_name(f)} raised {type(e).__name__}: {e} (at {_where(e)})"
+            f"reward function {_name(f)} raised {type(e).__name__}: {e} (at {_where(e)}){hint}"
         ) from e
     try:
-        values = [float(v) for v in values]
+        values = list(values)
+        unscored = [v is None for v in values]
+        values = [math.nan if v is None else float(v) for v in values]
     except (TypeError, ValueError):
         raise RewardError(
             f"reward function {_name(f)} returned {type(values).__name__} {str(values)[:80]}; "
-            f"it must return a list of floats, one per completion"
+            f"it must return a list of floats (None where it does not score), one per completion"
         ) from None
     if len(values) != len(completions):
         raise RewardError(
             f"reward function {_name(f)} returned {len(values)} values for {len(completions)} "
             f"completions; return one per completion"
         )
-    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    bad = [i for i, v in enumerate(values) if not (unscored[i] or math.isfinite(v))]
     if bad:
         raise RewardError(
             f"reward function {_name(f)} returned {values[bad[0]]} for completion {bad[0]} "
             f"({completions[bad[0]]!r}) and {len(bad) - 1} other non-finite values; return finite "
-            f"numbers (e.g. 0.0 where the reward is undefined)"
+            f"numbers (e.g. 0.0 where the reward is undefined, or None where it does not apply)"
         )
     return torch.tensor(values)  # (B,)
 
 
-def score_completions(funcs, weights, rows, completions, num_generations):
-    """Weighted sum of the reward functions, (B,), and each function's raw rewards, {name: (B,)}.
-    completions are prompt-major: row i's num_generations completions are adjacent. A row with no
-    "answer" passes None (checks.check_answers refuses such data if a function needs_answer)."""
+def score_completions(funcs, weights, rows, completions, num_generations, completion_ids=None):
+    """Weighted sum of the reward functions, (B,), and each function's raw rewards, {name: (B,)},
+    NaN where a function returned None. completions are prompt-major: row i's num_generations
+    completions are adjacent; completion_ids: their token ids (B lists), for TRL's form. A row
+    with no "answer" passes None (checks.check_answers refuses such data if a function
+    needs_answer). As TRL: a None adds nothing to the sum (the others' weighted rewards are it);
+    a completion no function scores gets its group's mean total of the scored ones (0 if none),
+    so its group-relative advantage is 0."""
     prompts = [r["prompt"] for r in rows for _ in range(num_generations)]
     answers = [r.get("answer") for r in rows for _ in range(num_generations)]
-    # {name: (B,)}
-    per_func = {f.__name__: call_reward(f, prompts, completions, answers) for f in funcs}
-    total = sum(w * r for w, r in zip(weights, per_func.values()))  # (B,)
+    kwargs = None
+    per_func = {}  # {name: (B,)}
+    for name, f in zip(reward_names(funcs), funcs):
+        if takes_keywords(f):
+            if kwargs is None:  # once, for every function in TRL's form
+                ids = completion_ids
+                kwargs = reward_kwargs(rows, prompts, completions, ids, answers, num_generations)
+            per_func[name] = call_reward(f, completions, kwargs=kwargs)
+        else:
+            per_func[name] = call_reward(f, completions, args=(prompts, completions, answers))
+    rewards = list(per_func.values())
+    if not any(r.isnan().any() for r in rewards):
+        return sum(w * r for w, r in zip(weights, rewards)), per_func  # (B,)
+    total = sum(w * r.nan_to_num(0.0) for w, r in zip(weights, rewards))  # (B,)
+    unscored = torch.stack(rewards).isnan().all(0)  # (B,)
+    if unscored.any():
+        warnings.warn(
+            "every reward function returned None for some completions: each gets its group's "
+            "mean reward (advantage 0), as TRL leaves such a completion out",
+            stacklevel=2,
+        )
+        groups, has = total.view(-1, num_generations), ~unscored.view(-1, num_generations)
+        means = (groups * has).sum(1) / has.sum(1).clamp(min=1)  # (N,)
+        total = torch.where(has, groups, means[:, None]).flatten()  # (B,)
     return total, per_func
+
+
+def solved_mask(per_func):
+    """(B,) bool: the completions every reward function that scored them (not None: NaN) gave at
+    least 1, and some function scored; per_func {name: (B,)}, at least one function. What
+    `accuracy` and `eval/accuracy` count."""
+    rewards = torch.stack(list(per_func.values()))  # (F, B)
+    return ((rewards >= 1) | rewards.isnan()).all(0) & ~rewards.isnan().all(0)
+
+
+def _finite_stat(x, stat):
+    """x's mean or std over the values that are not NaN (a None reward); NaN for none (a std:
+    fewer than two)."""
+    if x.isnan().any():
+        x = x[~x.isnan()]
+        if x.numel() < (2 if stat == "std" else 1):
+            return math.nan
+    return getattr(x, stat)().item()
 
 
 def reward_stats(seq, names):
     """A step's training-reward metrics from every rank's sequences, seq (B, 2 + F): the total
-    reward, the completion length, each reward function's reward (`names`, F of them; none with
-    a reward model: then no accuracy, which needs every function's reward >= 1)."""
+    reward, the completion length, each reward function's reward (`names`, F of them, NaN where
+    it returned None; none with a reward model: then no accuracy, which needs every function
+    that scored a completion to give it >= 1: `solved_mask`)."""
     row = {"reward": seq[:, 0].mean().item(), "reward_std": seq[:, 0].std().item()}
     if names:
-        row["accuracy"] = (seq[:, 2:] >= 1).all(1).float().mean().item()
+        row["accuracy"] = solved_mask(dict(zip(names, seq[:, 2:].T))).float().mean().item()
     lengths = seq[:, 1]  # (B,)
     row.update(completion_len=lengths.mean().item(), completion_len_max=lengths.max().item())
     row["completion_tokens"] = lengths.sum().item()
     for j, name in enumerate(names):
-        row.update(
-            {f"rewards/{name}/{s}": getattr(seq[:, 2 + j], s)().item() for s in ("mean", "std")}
-        )
+        row.update({f"rewards/{name}/{s}": _finite_stat(seq[:, 2 + j], s) for s in ("mean", "std")})
     return row
 
 

@@ -46,7 +46,13 @@ def test_every_format_gives_the_same_rows_and_split(tmp_path):
     seeded held-out split the JSONL loader always made (random.Random(seed).shuffle)."""
     paths = write_all(tmp_path)
     expected = [
-        {"prompt": r["question"], "answer": r["solution"], "index": i} for i, r in enumerate(ROWS)
+        {
+            "prompt": r["question"],
+            "answer": r["solution"],
+            "index": i,
+            "columns": {k: v for k, v in r.items() if k != "question"},
+        }
+        for i, r in enumerate(ROWS)
     ]
     shuffled = list(expected)
     random.Random(3).shuffle(shuffled)

@@ -2,7 +2,8 @@
 most 320 lines; every relative link in README.md and docs/*.md names a file that exists (and a
 heading that exists, for links with a #fragment); no page speaks of "sessions" (the docs describe
 the project, not how it was written; a process started with setsid is "a process group of its
-own" there). Pure file reads, well under a second."""
+own" there); README's test counts are those of docs/testing.md. Pure file reads, well under a
+second."""
 
 import glob
 import os
@@ -88,3 +89,18 @@ def test_no_sessions(page):
     with open(page, encoding="utf-8") as f:
         hits = [i for i, line in enumerate(f, 1) if "session" in line.lower()]
     assert not hits, f"{rel(page)} lines {hits} speak of a session: describe the project instead"
+
+
+def test_test_counts_agree():
+    """README's figures for the suite and for `bash test.sh --fast` are one each, and those of
+    docs/testing.md's measurements."""
+    with open(README, encoding="utf-8") as f:
+        readme = f.read()
+    with open(os.path.join(ROOT, "docs", "testing.md"), encoding="utf-8") as f:
+        testing = f.read()
+    fast = set(re.findall(r"(\d+) tests(?: in|,) (\d+ min \d+ s)", readme))
+    measured = re.search(r"Measured, `bash test.sh --fast`: (\d+) passed, \d+ deselected, in "
+                         r"(\d+ min \d+ s)", testing)  # fmt: skip
+    assert fast == {measured.groups()}, (fast, measured.groups())
+    suite = set(re.findall(r"(\d+) passed, (\d+) skipped", readme))
+    assert suite == set(re.findall(r"clean clone: (\d+) passed and (\d+) skipped", testing)), suite

@@ -5,6 +5,7 @@ import importlib
 import math
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -148,6 +149,15 @@ def test_masked_whiten_across_ranks(tmp_path):
     assert "whiten across ranks ok" in out.stdout
 
 
+def not_graph(metrics):
+    """update() reads each metric with float(): none holds the graph (float() of a tensor that
+    requires grad warns, once per rank and run, as ppo.py did for its losses)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        [float(v) for v in metrics.values()]
+    return not any(v.requires_grad for v in metrics.values())
+
+
 def test_policy_loss_hand_computed():
     old = torch.zeros(1, 5, dtype=torch.float64)
     logps = torch.log(
@@ -161,6 +171,7 @@ def test_policy_loss_hand_computed():
     assert loss.item() == pytest.approx((-1.2 + 1.5 - 0.5 + 0.8) / 8.0)
     assert m["clip"].item() == 2 and m["tokens"].item() == 4
     assert m["ratio"].item() == pytest.approx(4.0)
+    assert loss.requires_grad and not_graph(m)
     loss.backward()  # clipped tokens get no gradient; unclipped: d(-A r)/d logp = -A r
     torch.testing.assert_close(
         logps.grad, torch.tensor([[0.0, 1.5, -0.5, 0.0, 0.0]], dtype=torch.float64) / 8.0
@@ -235,6 +246,7 @@ def test_value_loss_hand_computed():
     want = 0.5 * (1.0 + 0.2025 + 0.0025) / 3.0
     assert loss.item() == pytest.approx(want)
     assert m["vf_clip"].item() == 1
+    assert loss.requires_grad and not_graph(m)
     loss.backward()
     torch.testing.assert_close(
         values.grad, torch.tensor([[1.0, 0.0, 0.05, 0.0]], dtype=torch.float64) / 3.0

@@ -148,6 +148,8 @@ def test_think_format_reward():
     # an R1-Zero style raw prompt that opens the block: the completion continues it
     prompts = ["... Assistant: <think>\n", "plain prompt"]
     assert think_format_reward(prompts, ["reasoning</think>42"] * 2, ["", ""]) == [1, 0]
+    chat = [[{"role": "user", "content": "Think first. <think>"}]] * 2  # a conversation's prompt
+    assert think_format_reward(chat, ["<think>a</think>42", "a</think>42"], [None] * 2) == [1, 0]
     # a chat template that opens it (the reward sees the dataset's prompt, not the template's)
     continued = ["reasoning</think>42", "<think>a</think>42", "reasoning</think>", "42"]
     assert think_continued_format_reward(["q"] * 4, continued, [""] * 4) == [1, 0, 0, 0]
