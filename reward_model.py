@@ -66,19 +66,20 @@ def sequence_scores(model, mb, device):
 
 def _sliced_scores(model, mb, device):
     """(b,) fp32 under sequence parallelism: the head's per-position scores of each rank's slice
-    of the left-aligned rows (caught at the head, so the model runs its own forward: a DeepSpeed
-    engine counts it), gathered, read at each sequence's last token."""
+    of the left-aligned rows (caught as the head returns them, so the model runs its own forward:
+    a DeepSpeed engine counts it), gathered, read at each sequence's last token."""
     head = getattr(model, "module", model).score  # transformers' name for a classifier's head
-    caught, forward = [], head.forward
+    caught = []
     ids, pos, _ = left_aligned(mb)  # (b, L): each sequence from column 0, padding after it
     last = mb["attention_mask"].sum(1) - 1  # (b,) each one's last token
 
     def score(ids, pos, targets):  # (b, n): this rank's slice
-        head.forward = lambda h: caught.append(forward(h)) or caught[-1]
+        # a hook after ZeRO-3's: the output its backward hooks are attached to
+        hook = head.register_forward_hook(lambda module, inputs, out: caught.append(out))
         try:
             model(input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False)
         finally:
-            del head.forward  # the class's forward again
+            hook.remove()
         return caught.pop()[..., 0].float()  # (b, n)
 
     scores = sequence_parallel.row_forward(score, ids, pos)  # (b, L)

@@ -205,8 +205,8 @@ def test_none_skips_a_completion_as_trl_does(tmp_path):
     with pytest.warns(UserWarning):
         total, _ = score_completions([some], [2.0], rows, ["1", "?", "0"], 3)
     assert total.tolist() == [2.0, 1.0, 0.0]
-    args = grpo.parse_args([])
-    adv = grpo.estimate_advantages(total, 3, args.advantage_estimator, args.scale_rewards)
+    args = grpo.parse_args(["--num_generations", "3"])
+    adv = grpo.estimate_advantages({"rewards": total}, args)  # grpo's: the rewards alone
     assert adv[1] == 0 and adv[0] > 0 > adv[2]
 
 

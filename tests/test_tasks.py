@@ -158,6 +158,7 @@ def test_held_out_logs_pass_at_k_only_with_several_samples(k):
     run = object.__new__(harness.Run)
     rows, logged = [{"prompt": str(i)} for i in range(4)], []
     run.vllm, run.eval_rows, run.rank, run.world = None, rows, 0, 1
+    run.data_rank, run.data_world = 0, 1
     run.args = SimpleNamespace(eval_samples=k, seed=0)
     run.log, run.say = SimpleNamespace(record=logged.append), lambda *a: None
 
