@@ -70,6 +70,7 @@ from pairs import check_pairs
 from recipes import apply_recipe
 from runlog import RunLog
 from tasks import pass_at_k, score_completions
+from tiled_mlp import tile_mlps
 from vllm_server import vllm_generator, write_server_settings
 from zero3_load import enable_gradient_checkpointing, load_model
 from zero3_utils import from_rank0, frozen_config, frozen_engine, load_ds_config, save_hf
@@ -210,6 +211,11 @@ def parse(args_class, recipes, argv=None):
         raise RunError(
             "--max_steps 0 evaluates the model on the held-out prompts, and --num_eval_prompts 0 "
             "holds out none: pass --num_eval_prompts N (without it: a fifth of the rows, <= 200)"
+        )
+    if args.activation_offload and not args.gradient_checkpointing:
+        raise RunError(
+            "--activation_offload True moves the gradient checkpoints (each layer's inputs) to "
+            "host memory, and this run keeps none: add --gradient_checkpointing True"
         )
     if args.lora_r:
         try:
@@ -392,7 +398,7 @@ class Run:
     def load(self, path=None, cls=AutoModelForCausalLM, frozen=False, **kw):
         """A model (default: the policy) built partitioned under ZeRO-3, each rank reading only its
         shard (zero3_load.py; --partitioned_loading False: the full load), else whole; a trained
-        one with gradient checkpointing when the knob is on."""
+        one with gradient checkpointing when the knob is on (long_sequence_knobs)."""
         part = self.args.partitioned_loading and self.stage == 3
         ds = frozen_config(self.ds_config, self.knobs.frozen_offload) if frozen else self.ds_config
         path = path or self.model_path
@@ -400,8 +406,16 @@ class Run:
         attn = attn_implementation_for(path, self.args.attn_implementation)
         kw.update(dtype=self.dtype, attn_implementation=attn)
         model = load_model(cls, path, ds_config=ds if part else None, **kw)
+        return self.long_sequence_knobs(model, frozen)
+
+    def long_sequence_knobs(self, model, frozen=False):
+        """`model` as the knobs lay out its activations: a trained one with gradient
+        checkpointing (its checkpoints in host memory with --activation_offload), every one with
+        its MLPs in tiles with --tiled_mlp (tiled_mlp.py). Returns the model."""
         if self.knobs.gradient_checkpointing and not frozen:
-            enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model, offload=self.knobs.activation_offload)
+        if self.knobs.tiled_mlp:
+            tile_mlps(model)
         return model
 
     def lora(self, model, task="CAUSAL_LM"):
