@@ -19,6 +19,18 @@ S tokens per sequence (prompt + completion), C completion tokens, m micro-batch 
   attention output] + 4h [logsumexp] + 4bI [gate, up, silu(gate), product]. Without
   checkpointing (L + 1) A m S (the +1: one layer's gradients in flight); with checkpointing
   L b H m S (layer inputs) + A m S (one layer recomputed at a time);
+- long sequences (docs/long-context.md): sequence parallelism over P ranks (Ulysses) gives each
+  rank S / P tokens of every sequence: the activation, attention and log-prob terms take m S / P
+  tokens (ZeRO still partitions over all W ranks: DeepSpeed's sequence-data-parallel group);
+  activation offload moves the L b H m S / P layer checkpoints to host memory (one layer's
+  coming back, one going out: 2 b H m S / P on the device); a tiled MLP holds its 4bI per token
+  for one tile of m min(S / P, H) tokens (x2 in backward) in place of every token;
+- attention's own memory, by path (attention_path): sdpa builds a (m, 1, S, S) bool mask for a
+  padded micro-batch of m > 1 rows and a (1, 1, mS, mS) one for a packed row (none for one
+  unpadded sequence per row: SDPA's is_causal); eager builds the mask always (in b), and its scores
+  (m, h, S, S) in b, their fp32 softmax and the probabilities ((4 + b) h m S^2 kept per layer for
+  backward, 2b + 4 in flight); flex attention a block mask of (S / 128)^2 int32 blocks; flash
+  attention none (varlen);
 - fused log-probs: a tile (c tokens x v vocab) fp32 and its exp (x2 forward); backward adds the
   (V, H) fp32 weight gradient, an fp32 (mC, H) hidden gradient and a (v, H) fp32 weight slice.
   Naive log-probs: (mC, V) logits in b + fp32 copy + log_softmax (x2 with gradients);
@@ -151,10 +163,56 @@ def lora_params(model_config, r, target_modules="all-linear"):
     return s["L"] * r * sum(shapes.get(n.strip(), 0) for n in names)
 
 
-def _layer_bytes_per_token(s, b):
-    """A: bytes per token per layer of a model of shape s (the module docstring's formula)."""
+def _layer_bytes_per_token(s, b, tiled_mlp=False):
+    """A: bytes per token per layer of a model of shape s (the module docstring's formula); a tiled
+    MLP's 4bI are held for one tile only (_mlp_tile_bytes), not per token."""
     H, h, k, d = s["H"], s["h"], s["k"], s["d"]
-    return 2 * (4 + b) * H + b * (2 * h + 2 * k) * d + 4 * h + 4 * b * s["I"]
+    return 2 * (4 + b) * H + b * (2 * h + 2 * k) * d + 4 * h + (0 if tiled_mlp else 4 * b * s["I"])
+
+
+def _mlp_tile_bytes(s, b, micro_batch_size, tokens):
+    """A tiled MLP's working set (tiled_mlp.py): its 4bI temporaries for one tile of m x min(tokens,
+    H) tokens, twice in backward (the tile's recompute and its gradients)."""
+    return 2 * 4 * b * s["I"] * micro_batch_size * min(tokens, s["H"])
+
+
+ATTENTION_PATHS = {  # what each attention path builds beside q, k, v (attention_path's names)
+    "flash": "flash attention (varlen): no mask",
+    "flex": "flex attention: a block mask, no (T, T) mask",
+    "sdpa_causal": "sdpa, one unpadded sequence per row: no mask (is_causal)",
+    "sdpa_mask": "sdpa with a (B, 1, T, T) bool mask",
+    "eager": "eager: a (B, 1, T, T) mask and (B, h, T, T) scores",
+}
+
+
+def attention_path(attn_implementation, micro_batch_size, packing):
+    """Which of ATTENTION_PATHS a forward takes (transformers 5.19's masking_utils): sdpa skips
+    its mask only for rows without padding or packing (one sequence per row after micro_slice cuts
+    the padding columns); eager builds it always; flash and flex never build a (T, T) one."""
+    if attn_implementation.startswith("flash_attention"):
+        return "flash"
+    if attn_implementation == "flex_attention":
+        return "flex"
+    if attn_implementation == "eager":
+        return "eager"
+    return "sdpa_mask" if packing or micro_batch_size > 1 else "sdpa_causal"
+
+
+def _attention_bytes(s, b, path, micro_batch_size, tokens, packing, sp=1):
+    """(mask bytes of one forward, eager's scores kept per layer, eager's scores in flight) for
+    rows of `tokens` tokens (a rank's slice under sequence parallelism: sp ranks share the heads
+    of the whole sequence for the scores)."""
+    rows, T = (1, micro_batch_size * tokens) if packing else (micro_batch_size, tokens)
+    if path == "flex":  # kv_num_blocks/indices and their full_ and q_ twins, (B, 1, T/128, T/128)
+        return 4 * 4 * rows * (-(-T // 128)) ** 2, 0, 0
+    if path in ("flash", "sdpa_causal"):
+        return 0, 0, 0
+    mask = rows * T * T  # sdpa's: bool
+    if path == "sdpa_mask":
+        return mask, 0, 0
+    mask *= b  # eager's: additive, in the model's dtype
+    scores = rows * s["h"] * (T * sp) ** 2 // sp  # eager: whole rows' scores, h / sp heads a rank
+    return mask, (4 + b) * scores, (2 * b + 4) * scores
 
 
 def _logprob_fwd_bytes(V, completion_tokens, b, fused, logprob_chunk):
@@ -202,6 +260,11 @@ def estimate_memory(
     packed_bytes=0,
     trainable_params=None,
     reward_head=False,
+    sequence_parallel_size=1,
+    activation_offload=False,
+    tiled_mlp=False,
+    attn_implementation="sdpa",
+    packing=False,
 ):
     """Predicted peak bytes per GPU for each phase of the loop, and the pieces they are made of.
 
@@ -224,6 +287,10 @@ def estimate_memory(
     gradients, Adam states and their fp32 partitions scale with them, the weights with N.
     reward_head: the trained model is a reward model (rm.py): a score head (H, 1) in place of the
     lm_head and no log-prob tile; a policy's update without generation (phase_groups: its phases).
+    sequence_parallel_size P: each rank computes 1/P of every sequence's tokens (the activation,
+    attention and log-prob terms); activation_offload: the layer checkpoints in host memory (with
+    gradient_checkpointing); tiled_mlp: the MLP in tiles; attn_implementation and packing: the
+    attention path (attention_path) and what it builds.
     Returns {"phases": {phase: bytes}, "pieces": {piece: bytes}, "cpu": offloaded bytes per rank,
     "highest": phase, "params": N}.
     """
@@ -274,12 +341,24 @@ def estimate_memory(
     # working sets
     largest = max(s["layer_params"], s["embed_params"])
     p["zero3_live"] = int(min(N, max(zero3_live_params, largest)) * b) if zero_stage == 3 else 0
-    A = _layer_bytes_per_token(s, b)
-    tok, ctok = micro_batch_size * seq_len, micro_batch_size * completion_len
-    p["activations_full"] = (L + 1) * A * tok
-    p["activations_ckpt"] = L * b * H * tok + A * tok
+    A, P = _layer_bytes_per_token(s, b, tiled_mlp), sequence_parallel_size
+    # a rank's tokens: its 1/P slice of every sequence under sequence parallelism
+    tok, ctok = micro_batch_size * -(-seq_len // P), micro_batch_size * -(-completion_len // P)
+    tile = _mlp_tile_bytes(s, b, micro_batch_size, -(-seq_len // P)) if tiled_mlp else 0
+    path = attention_path(attn_implementation, micro_batch_size, packing)
+    mask, kept, scores = _attention_bytes(
+        s, b, path, micro_batch_size, -(-seq_len // P), packing, P
+    )
+    p["attention_mask"], p["attention_scores"] = mask, scores
+    p["mlp_tile"] = tile
+    p["activations_full"] = (L + 1) * A * tok + L * kept + scores + tile
+    p["layer_checkpoints"] = L * b * H * tok  # each layer's inputs, kept until its recompute
+    offload = activation_offload and gradient_checkpointing
+    on_device = 2 * b * H * tok if offload else p["layer_checkpoints"]  # one in, one out
+    p["activations_ckpt"] = on_device + A * tok + kept + scores + tile
     p["activations"] = p["activations_ckpt"] if gradient_checkpointing else p["activations_full"]
-    p["inference_layer"] = A * tok  # no-grad forward: about one layer's temporaries at a time
+    # no-grad forward: about one layer's temporaries at a time
+    p["inference_layer"] = A * tok + scores + tile
     p["logprob_fwd"] = _logprob_fwd_bytes(V, ctok, b, fused_logprobs, logprob_chunk)
     if reward_head:  # one score per sequence, no vocabulary's logits
         p["logprob_fwd"] = p["logprob_update"] = 0
@@ -337,7 +416,7 @@ def estimate_memory(
         phases["rollout"] = (
             resident + p["generation_params"] + p["kv_cache"] + p["generation_logits"] + prefill
         )
-    logps = resident + v_train + p["zero3_live"] + p["inference_layer"] + p["logprob_fwd"]
+    logps = resident + v_train + p["zero3_live"] + mask + p["inference_layer"] + p["logprob_fwd"]
     phases["old_logprobs"] = logps
     if reference_model:
         phases["ref_logprobs"] = logps  # its own ZeRO-3 working set instead of the policy's
@@ -346,7 +425,11 @@ def estimate_memory(
         p["teacher_live"] = (
             int(min(teacher_n, max(zero3_live_params, t_largest)) * b) if zero_stage == 3 else 0
         )
-        p["teacher_layer"] = _layer_bytes_per_token(t, b) * tok
+        t_tile = _mlp_tile_bytes(t, b, micro_batch_size, -(-seq_len // P)) if tiled_mlp else 0
+        t_att = _attention_bytes(t, b, path, micro_batch_size, -(-seq_len // P), packing, P)
+        p["teacher_layer"] = (
+            _layer_bytes_per_token(t, b, tiled_mlp) * tok + t_att[0] + t_att[2] + t_tile
+        )
         p["teacher_logprob_fwd"] = _logprob_fwd_bytes(t["V"], ctok, b, fused_logprobs, (tc, tv))
         phases["teacher_logprobs"] = (
             resident + v_train + p["teacher_live"] + p["teacher_layer"] + p["teacher_logprob_fwd"]
@@ -355,6 +438,7 @@ def estimate_memory(
         resident
         + v_train
         + p["zero3_live"]
+        + mask
         + p["activations"]
         + p["logprob_update"]
         + (bucket if zero_stage >= 2 else 0)
@@ -371,6 +455,7 @@ def estimate_memory(
     cpu += N * b // W if offload_params else 0
     cpu += N * b // W if reference_model and ref_offload else 0
     cpu += (reward_n + teacher_n) * b // W if ref_offload else 0
+    cpu += p["layer_checkpoints"] if offload else 0  # the update's, while it runs
     return {
         "phases": phases,
         "pieces": p,
@@ -394,6 +479,12 @@ def _knob_changes(kw):
     add(z >= 1 and not kw["offload_optimizer"], "offload_optimizer", offload_optimizer=True)
     add(z == 3 and not kw["offload_params"], "offload_params", offload_params=True)
     add(not kw["gradient_checkpointing"], "gradient_checkpointing", gradient_checkpointing=True)
+    ckpt = kw["gradient_checkpointing"]
+    add(ckpt and not kw["activation_offload"], "activation_offload", activation_offload=True)
+    add(not kw["tiled_mlp"], "tiled_mlp", tiled_mlp=True)
+    P, W, s = 2 * kw["sequence_parallel_size"], kw["world_size"], model_shape(kw["model_config"])
+    heads = s["h"] % P == 0 and (s["k"] % P == 0 or P % s["k"] == 0)  # Ulysses' split
+    add(W % P == 0 and heads, f"sequence_parallel_size {P}", sequence_parallel_size=P)
     m, (tc, tv) = kw["micro_batch_size"], kw["logprob_chunk"]
     add(m > 1, f"micro_batch_size {m // 2}", micro_batch_size=m // 2)
     add(not kw["fused_logprobs"], "fused_logprobs", fused_logprobs=True)
@@ -537,6 +628,17 @@ def main(argv=None):
         fused_adam: bool = field(
             default=False, metadata={"help": "fused Adam: no step temporaries"}
         )
+        sequence_parallel_size: int = field(
+            default=1, metadata={"help": "ranks sharing every sequence (Ulysses)"}
+        )
+        activation_offload: bool = field(
+            default=False, metadata={"help": "layer checkpoints in host memory"}
+        )
+        tiled_mlp: bool = field(default=False, metadata={"help": "the MLP in sequence tiles"})
+        attn_implementation: str = field(
+            default="sdpa", metadata={"help": "sdpa, eager, flex_attention, flash_attention_2"}
+        )
+        packing: bool = field(default=False, metadata={"help": "micro-batches as one row"})
 
     (a,) = HfArgumentParser(Args).parse_args_into_dataclasses(argv)
     kw = {k: v for k, v in vars(a).items() if k not in ("model", "device_gb")}
@@ -592,7 +694,23 @@ def describe(kw):
         if kw["gradient_checkpointing"]
         else "no gradient checkpointing",
         "generation": f"generation: {gen}",
+        "attention": "attention: "
+        + ATTENTION_PATHS[
+            attention_path(kw["attn_implementation"], kw["micro_batch_size"], kw["packing"])
+        ]
+        + (" (packed rows)" if kw["packing"] else ""),
     }
+    long = [
+        f"sequence parallel over {kw['sequence_parallel_size']} ranks"
+        if kw["sequence_parallel_size"] > 1
+        else "",
+        "layer checkpoints in host memory"
+        if kw["activation_offload"] and kw["gradient_checkpointing"]
+        else "",
+        "tiled MLP" if kw["tiled_mlp"] else "",
+    ]
+    if any(long):
+        out["long"] = ", ".join(x for x in long if x)
     if kw["reward_head"]:  # rm.py: pairs, no generation
         out["batch"] = f"{kw['prompts_per_rank']} pairs per rank (a reward model's update)"
         out["tokens"] = f"prompt {prompt} + response {kw['completion_len']} tokens"

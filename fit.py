@@ -77,6 +77,8 @@ MEMORY_KNOBS = (
     "vllm_mode",
     "vllm_server_url",
     "frozen_offload",
+    "activation_offload",
+    "tiled_mlp",
     "partitioned_loading",
     "max_bad_steps",
     "memory_budget_gb",
@@ -100,7 +102,9 @@ OOM_HINTS = {
     "logprobs": f"{_MICRO}; lower --logprob_chunk_size; --frozen_offload True keeps the reference "
     "and reward shards in CPU memory; --packing True",
     "update": f"--gradient_checkpointing True, {_MICRO}, lower --logprob_chunk_size, --packing "
-    "True; for the optimizer states: configs/zero3_offload.json, --lora_r 16",
+    "True; long sequences: --activation_offload True, --tiled_mlp True, one sequence per "
+    "micro-batch with sdpa (docs/long-context.md); for the optimizer states: "
+    "configs/zero3_offload.json, --lora_r 16",
     "optimizer_step": "offload the optimizer states (configs/zero3_offload.json) or use more GPUs "
     "(ZeRO shards them)",
 }
@@ -117,6 +121,9 @@ class Knobs:
     logprob_chunk_size: int
     gradient_checkpointing: bool
     frozen_offload: bool
+    activation_offload: bool
+    tiled_mlp: bool
+    sequence_parallel_size: int
     generation_batch_size: int
     gather_for_generation: bool
     generation_resident_gb: float
@@ -223,6 +230,12 @@ def estimate_kwargs(args, world, models, knobs=None, gpu_gb=0.0):
         teacher_config=teacher,  # GRPO's distillation teacher: its own phase, from its own shape
         phase_groups=models.get("phases"),
         reward_head=bool(models.get("pairs")),  # rm.py trains a reward model on pairs
+        sequence_parallel_size=knobs.sequence_parallel_size,
+        # on a CPU the checkpoints are in host memory already: offloading them frees nothing
+        activation_offload=knobs.activation_offload and cuda,
+        tiled_mlp=knobs.tiled_mlp,
+        attn_implementation=args.attn_implementation,
+        packing=args.packing,
         trainable_params=lora_params(config, args.lora_r, args.lora_target_modules)
         if args.lora_r
         else None,
@@ -303,8 +316,9 @@ def assumptions(args, kw, world, gpu=True):
         micro,
         d["checkpointing"],
         d["generation"],
+        d["attention"],
     ]
-    parts += [d[k] for k in ("lora", "models") if k in d]
+    parts += [d[k] for k in ("long", "lora", "models") if k in d]
     return "estimate for: " + ", ".join(parts)
 
 
@@ -419,10 +433,10 @@ def _runtime_bytes():
     return all_max(rss)
 
 
-def _ladder(args, knobs, kw):
+def _ladder(args, knobs, kw, gpu=True):
     """The single changes to try, cheapest first (docs/memory.md, "Fit to a budget", says where each
     cost was measured): [(label, {knob: value}, {estimate kwarg: value})]; a knob at its limit is
-    left out."""
+    left out. gpu False (a CPU rank): no activation offload, which frees device memory only."""
     out = []
     stage3 = kw["zero_stage"] == 3
     has_frozen = kw["reference_model"] or kw.get("reward_config") or kw.get("teacher_config")
@@ -483,7 +497,28 @@ def _ladder(args, knobs, kw):
                     {"generation_resident_bytes": 0},
                 )
             )
+    # long sequences: what the update holds per token (after the generation modes, which never
+    # lower it); bench/long_context.py measures their time
+    if kw["gradient_checkpointing"] and not kw["activation_offload"] and gpu:
+        out.append(
+            ("activation offload", {"activation_offload": True}, {"activation_offload": True})
+        )
+    if not kw["tiled_mlp"]:
+        out.append(("tiled MLP", {"tiled_mlp": True}, {"tiled_mlp": True}))
+    sp = 2 * kw["sequence_parallel_size"]  # the costliest: all-to-alls in every layer
+    if sp <= kw["world_size"] and sequence_parallel_fits(kw["model_config"], kw["world_size"], sp):
+        out.append(
+            ("sequence parallel", {"sequence_parallel_size": sp}, {"sequence_parallel_size": sp})
+        )
     return out
+
+
+def sequence_parallel_fits(config, world, size):
+    """Whether `size` ranks can share every sequence of a model of this config (DeepSpeed
+    Ulysses, deepspeed 0.19.8 UlyssesSPAttentionHF: the query heads split evenly, the key-value
+    heads split or are replicated) within a world of `world` ranks."""
+    s = model_shape(config)
+    return world % size == 0 and s["h"] % size == 0 and (s["k"] % size == 0 or size % s["k"] == 0)
 
 
 def fit_to_budget(args, world, models, say=print):
@@ -529,6 +564,7 @@ def _fit(args, knobs, world, models, runtime, say, gpu_gb=0.0, source="", table=
     source = source or f"--memory_budget_gb {budget:g}"
     per = "GPU" if gpu_gb or torch.cuda.is_available() else "rank"
     kw, target = estimate_kwargs(args, world, models, knobs, gpu_gb), HIGH_WATER * budget * GB
+    kw0 = kw  # as given
 
     def top(k):
         phases = estimate_memory(**k)["phases"]
@@ -543,7 +579,7 @@ def _fit(args, knobs, world, models, runtime, say, gpu_gb=0.0, source="", table=
 
     rss = f", incl. {runtime / GB:.2f} GiB runtime RSS" if runtime else ""
     while now > target:
-        for _, knob_change, kw_change in _ladder(args, knobs, kw):
+        for _, knob_change, kw_change in _ladder(args, knobs, kw, per == "GPU"):
             tried, tried_phases = top({**kw, **kw_change})
             if tried < now:
                 for name, value in knob_change.items():
@@ -568,6 +604,8 @@ def _fit(args, knobs, world, models, runtime, say, gpu_gb=0.0, source="", table=
         f"memory: every phase under {HIGH_WATER:.0%} of {source} ({target / GB:.2f} GiB per "
         f"{per}{rss}) " + (f"with: {new} (as given: {old})" if new else "with the flags as given")
     )
+    if describe(kw)["attention"] != describe(kw0)["attention"]:  # a smaller micro-batch's path
+        say(f"memory: with the fitted micro-batch, {describe(kw)['attention']}")
     if table:
         say(format_table(est, budget, per))
     if runtime and "MALLOC_MMAP_THRESHOLD_" not in os.environ:

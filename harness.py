@@ -70,6 +70,7 @@ from memory import MemoryLedger
 from recipes import apply_recipe
 from runlog import RunLog
 from tasks import pass_at_k, score_completions, solved_mask
+from tiled_mlp import tile_mlps
 from vllm_server import vllm_generator, write_server_settings
 from zero3_load import enable_gradient_checkpointing, load_model
 from zero3_utils import (
@@ -222,6 +223,11 @@ def parse(args_class, recipes, argv=None):
             "--max_steps 0 evaluates the model on the held-out prompts, and --num_eval_prompts 0 "
             "holds out none: pass --num_eval_prompts N (without it: a fifth of the rows, <= 200)"
         )
+    if args.activation_offload and not args.gradient_checkpointing:
+        raise RunError(
+            "--activation_offload True moves the gradient checkpoints (each layer's inputs) to "
+            "host memory, and this run keeps none: add --gradient_checkpointing True"
+        )
     if args.lora_r:
         try:
             import peft  # noqa: F401  (optional: only LoRA runs need it)
@@ -291,8 +297,9 @@ def preflight(args, rank, world, models, say=print, check=None):
         read_ds_json(args.ds_config), args.ds_config, world * mini, args.num_generations
     )
     knobs, _ = fit_to_budget(args, world, models, say)  # the knobs as given, or fitted
-    if args.sequence_parallel_size > 1:
-        check_sequence_parallel(args, world, found["config"], found["model_path"])
+    if knobs.sequence_parallel_size > 1:  # as given, or the fit's rung
+        S = knobs.sequence_parallel_size
+        check_sequence_parallel(args, world, found["config"], found["model_path"], S)
     ds = check_ds_config(
         lambda: deepspeed_config(
             args, knobs, world, found["config"].hidden_size, dtype, args.learning_rate, mini
@@ -325,9 +332,10 @@ def preflight(args, rank, world, models, say=print, check=None):
 PACKED_ATTENTION = ("flash_attention_2",)
 
 
-def check_sequence_parallel(args, world, config, model_path):
-    """--sequence_parallel_size S > 1: what cannot work, refused before a model loads."""
-    S, attn = args.sequence_parallel_size, args.attn_implementation
+def check_sequence_parallel(args, world, config, model_path, S=None):
+    """--sequence_parallel_size S > 1 (S: the fitted size, default the flag's): what cannot work,
+    refused before a model loads."""
+    S, attn = S or args.sequence_parallel_size, args.attn_implementation
     if world % S:
         raise RunError(
             f"--sequence_parallel_size {S} does not divide the {world} ranks: use a divisor of "
@@ -441,8 +449,8 @@ class Run:
         if args.overwrite and self.rank == 0:
             clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
         dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
-        if args.sequence_parallel_size > 1:  # groups of S ranks share each sequence
-            self.sp = sequence_parallel.init(args.sequence_parallel_size)
+        if self.knobs.sequence_parallel_size > 1:  # groups of S ranks share each sequence
+            self.sp = sequence_parallel.init(self.knobs.sequence_parallel_size)
             sequence_parallel.install(args.attn_implementation)
             set_data_group(self.sp.data_group)  # batch sums: one rank per group
             self.data_rank, self.data_world = self.sp.data_rank, self.sp.data_world
@@ -458,7 +466,7 @@ class Run:
     def load(self, path=None, cls=AutoModelForCausalLM, frozen=False, **kw):
         """A model (default: the policy) built partitioned under ZeRO-3, each rank reading only its
         shard (zero3_load.py; --partitioned_loading False: the full load), else whole; a trained
-        one with gradient checkpointing when the knob is on."""
+        one with gradient checkpointing when the knob is on (long_sequence_knobs)."""
         part = self.args.partitioned_loading and self.stage == 3
         ds = frozen_config(self.ds_config, self.knobs.frozen_offload) if frozen else self.ds_config
         path = path or self.model_path
@@ -466,8 +474,16 @@ class Run:
         attn = attn_implementation_for(path, self.args.attn_implementation)
         kw.update(dtype=self.dtype, attn_implementation=attn)
         model = load_model(cls, path, ds_config=ds if part else None, **kw)
+        return self.long_sequence_knobs(model, frozen)
+
+    def long_sequence_knobs(self, model, frozen=False):
+        """`model` as the knobs lay out its activations: a trained one with gradient
+        checkpointing (its checkpoints in host memory with --activation_offload), every one with
+        its MLPs in tiles with --tiled_mlp (tiled_mlp.py). Returns the model."""
         if self.knobs.gradient_checkpointing and not frozen:
-            enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model, offload=self.knobs.activation_offload)
+        if self.knobs.tiled_mlp:
+            tile_mlps(model)
         return model
 
     def lora(self, model, task="CAUSAL_LM"):

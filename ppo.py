@@ -60,7 +60,6 @@ from exits import RunError, entry_code, exit_process
 from generation import attn_implementation_for, sampler_logp_gap
 from reward_model import sequence_scores
 from tasks import RewardError, reward_functions, reward_stats, score_completions
-from zero3_load import enable_gradient_checkpointing
 from zero3_utils import all_cat, gathered
 
 
@@ -454,8 +453,7 @@ def main(argv=None):
         attn_implementation_for(critic_path, args.attn_implementation),
         ds_config=run.ds_config if args.partitioned_loading and run.stage == 3 else None,
     )  # the actor's body and a zero value head, or the reward model's body and head
-    if run.knobs.gradient_checkpointing:
-        enable_gradient_checkpointing(critic.body)
+    run.long_sequence_knobs(critic.body)  # checkpointing, offload, tiling as the actor
     if args.lora_r:  # adapters on the actor and on the critic's body (its value head trains)
         actor = run.lora(actor)
         critic.body = run.lora(critic.body, "FEATURE_EXTRACTION")

@@ -2,7 +2,7 @@
 checkpoint, so no rank ever holds the whole model in host memory. Imports no sibling file.
 
     load_model(auto_class, path, dtype, ds_config=None, attn_implementation="sdpa", **config_kw)
-    enable_gradient_checkpointing(model)   # in the eval mode load_model returns
+    enable_gradient_checkpointing(model, offload=False)   # in the eval mode load_model returns
 
 ds_config with ZeRO stage 3: the model is built under `deepspeed.zero.Init` (every parameter is
 partitioned as soon as its module is built; weight init is skipped, the checkpoint overwrites
@@ -201,14 +201,35 @@ def load_partitions(model, files):
         )
 
 
-def enable_gradient_checkpointing(model):
+def enable_gradient_checkpointing(model, offload=False):
     """Gradient checkpointing that works in eval mode. The loops train in eval mode, as load_model
     returns a model (no dropout: the update scores tokens exactly as the rollout did), but
     transformers checkpoints a layer only while that layer's `training` flag is set, so with
     gradient_checkpointing_enable() alone nothing is recomputed and every activation is kept.
     Here only the modules that checkpoint (the decoder layers, their stack) are flagged as
-    training; their submodules (dropout, attention) stay in eval mode."""
+    training; their submodules (dropout, attention) stay in eval mode.
+
+    offload (--activation_offload): each checkpoint (a layer's inputs, saved until its recompute
+    in backward) goes to host memory (torch.autograd.graph.save_on_cpu around the checkpointed
+    call), into pinned memory on a GPU, and comes back for the recompute: the same values, a copy
+    each way. transformers' own gradient_checkpointing_enable(offload=True) does the same on an
+    accelerator but asks for pinned memory on a CPU-only machine too, which torch 2.13 refuses;
+    on a CPU the checkpoints already live in host memory and the hook keeps them as they are."""
     model.gradient_checkpointing_enable()
     for m in model.modules():
         if getattr(m, "gradient_checkpointing", False):
             m.training = True
+            if offload and hasattr(m, "_gradient_checkpointing_func"):  # the decoder layers
+                m._gradient_checkpointing_func = _on_host(m._gradient_checkpointing_func)
+
+
+def _on_host(checkpoint):
+    # save_on_cpu around the checkpoint: its hook packs what the checkpoint saves itself (the
+    # layer's inputs); inside, the checkpoint's own hook drops the layer's activations as before
+    pin = torch.cuda.is_available()
+
+    def offloaded(function, *args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            return checkpoint(function, *args, **kwargs)
+
+    return offloaded
