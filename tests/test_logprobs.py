@@ -496,6 +496,100 @@ def test_fused_logps_is_vllms_processed_logprob_at_a_tie(top_k, top_p):
         assert split.any() and (off < 0).all() and off.min() < -1e-3
 
 
+def hand_kept_triton(z, top_k, top_p):
+    """(R, V) bool: the Triton rule by hand: exactly top_k, the lowest-numbered of a tie at the
+    k-th first (a stable sort), then top-p over those as vLLM's rule removes the least likely."""
+    R, V = z.shape
+    order = torch.sort(-z, dim=1, stable=True).indices  # (R, V) likeliest first, ties by index
+    kept = torch.zeros(R, V, dtype=torch.bool)
+    kept.scatter_(1, order[:, :top_k], True)
+    if top_p < 1:
+        s = z.masked_fill(~kept, float("-inf")).sort(dim=1)  # (R, V) ascending
+        removed = s.values.softmax(-1).cumsum(-1) <= 1 - top_p  # (R, V)
+        removed[:, -1] = False
+        kept.scatter_(1, s.indices, ~removed & kept.gather(1, s.indices))
+    return kept
+
+
+@pytest.mark.parametrize("top_k,top_p", [(20, 1.0), (50, 0.9), (50, 0.8)])
+def test_each_top_k_rule_is_its_samplers_at_a_tie(top_k, top_p):
+    """bf16-valued logits at a quarter of Qwen's V, the k-th's tie straddling the cut in every
+    other row: "pytorch" is vLLM's own apply_top_k_top_p_pytorch (and, top-k alone, the
+    apply_top_k_only it runs on CPU and transformers' TopKLogitsWarper, HF generate's): the same
+    tokens kept and
+    fused_logps its processed log-prob within 1e-5 in every row; "triton" is exactly k, the
+    lowest-numbered first (vLLM's Triton kernel needs a GPU: a set built by hand); each rule off
+    the other's sampler where the two keep different counts (a straddling tie top-p leaves)."""
+    from transformers import TopKLogitsWarper
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only
+
+    z = tied_logits(16, 151936 // 4, seed=21, tie_top_k=top_k)  # (R, V)
+    R = z.shape[0]
+    kth = z.topk(top_k, dim=1).values[:, -1:]  # (R, 1)
+    straddles = (z >= kth).sum(1) > top_k  # (R,)
+    assert straddles[::2].all()
+    hidden, weight = torch.eye(R), z.t().contiguous()  # z = hidden @ weight.T, exact
+    g = torch.Generator().manual_seed(22)
+    sets = {"pytorch": vllm_kept(z, top_k, top_p), "triton": hand_kept_triton(z, top_k, top_p)}
+    differ = sets["pytorch"].sum(1) != sets["triton"].sum(1)  # (R,) top-p may cut both alike
+    assert differ.any() and not differ[~straddles].any()
+    for rule, kept in sets.items():
+        tau, n = truncation_thresholds(z, top_k, top_p, rule).unbind(1)  # (R,) each
+        assert torch.equal((z > tau[:, None]).sum(1) + n, kept.sum(1).float())  # every row
+        processed = z.masked_fill(~kept, float("-inf")).log_softmax(-1)  # (R, V)
+        targets = torch.multinomial(processed.exp(), 1, generator=g)[:, 0]  # (R,)
+        for r in range(0, R, 2):  # the sampled token one of the tie at the cut, in both sets
+            targets[r] = ((z[r] == tau[r]) & kept[r]).nonzero()[0, 0]
+        ref = processed.gather(1, targets[:, None])[:, 0]  # (R,)
+        kw = dict(top_k=top_k, top_p=top_p, vocab_chunk_size=8192, top_k_rule=rule)
+        close(fused_logps(hidden, weight, targets, **kw), ref, 1e-5)
+        other = "triton" if rule == "pytorch" else "pytorch"
+        wrong = fused_logps(hidden, weight, targets, **{**kw, "top_k_rule": other})  # (R,)
+        theirs = sets[other].scatter(1, targets[:, None], True)  # (R, V) with the sampled token
+        off = theirs.sum(1) != kept.sum(1)  # (R,) the other rule scores over another set
+        assert off[differ].any() and (wrong - ref)[off].abs().min() > 1e-4
+    if top_p == 1:  # top-k alone: the CPU engine's top-k-only path and HF generate's warper
+        whole = vllm_kept(z, top_k, 1.0)
+        cpu = apply_top_k_only(z.clone(), torch.full((R,), top_k)) > float("-inf")
+        assert torch.equal(cpu, whole)
+        assert torch.equal(TopKLogitsWarper(top_k)(None, z.clone()) > float("-inf"), whole)
+    with pytest.raises(ValueError, match="top_k_rule"):
+        truncation_thresholds(z, top_k, top_p, "flashinfer")
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.3])
+def test_fused_logps_replays_a_kept_set_built_by_hand(entropy_coef):
+    """kept_ids, the set the sampler returned (vLLM's return_sampling_mask): log-probs, entropies
+    and gradients of the distribution renormalised over exactly those ids (padding -1; the
+    sampled token counts as kept where a set lacks it), fp64 against naive autograd; tiles that
+    split the vocabulary and the rows."""
+    g = torch.Generator().manual_seed(23)
+    N, H, V, k = 7, 6, 45, 9
+    hidden = torch.randn(N, H, generator=g, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64).requires_grad_()
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(N)])  # (N, k)
+    ids[1, 5:] = -1  # a shorter set
+    targets = ids[:, 0].clone()  # (N,)
+    targets[2] = next(v for v in range(V) if v not in ids[2])  # one sampled outside its set
+    kept = torch.zeros(N, V, dtype=torch.bool)
+    for r in range(N):
+        kept[r, [v for v in ids[r].tolist() if v >= 0] + [targets[r].item()]] = True
+    ref = naive_truncated(hidden @ weight.t(), targets, kept)  # (N,) each
+    out = fused_logps(
+        hidden, weight, targets, chunk_size=3, vocab_chunk_size=8, return_entropy=True,
+        kept_ids=ids, top_k=3, top_p=0.5,  # not read: the set replaces any cut
+    )  # fmt: skip
+    for a, r in zip(out, ref):
+        close(a, r, 1e-12)
+    gl = torch.randn(N, generator=g, dtype=torch.float64)
+    fa = torch.autograd.grad((out[0] * gl).sum() - entropy_coef * out[1].sum(), (hidden, weight))
+    fr = torch.autograd.grad((ref[0] * gl).sum() - entropy_coef * ref[1].sum(), (hidden, weight))
+    for a, r in zip(fa, fr):
+        close(a, r, 1e-12)
+    with pytest.raises(ValueError, match="kept_ids"):
+        fused_logps(hidden, weight, targets, kept_ids=ids[:3])
+
+
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.3])
 def test_fused_logps_split_tie_grads_fp64(entropy_coef):
     """Gradients where the cut keeps part of a tie: those of the log-prob (and entropy) over the
