@@ -808,6 +808,48 @@ def test_forward_logps_top_p_padded_packed_and_reused(model):
     assert ((again - full[False][0]).abs() * cm).max() > 1e-4
 
 
+def test_forward_logps_replays_the_samplers_kept_sets(model):
+    """Generations.sampling_kept, built by hand as vLLM's return_sampling_mask gives it, travels
+    with the batch (make_batch, micro_slice) and batching.forward_logps renormalises over exactly
+    those sets, padded and packed alike: the naive log-probs from full logits; no cut is found."""
+    from batching import forward_logps, make_batch, micro_slice
+    from generation import kept_sets
+
+    g = torch.Generator().manual_seed(6)
+    V = model.config.vocab_size
+    completions = torch.randint(3, V, (3, 6), generator=g)  # (3, 6)
+    cmask = torch.ones_like(completions)
+    cmask[2, 4:] = 0
+    rows = [
+        [[int(completions[i, t])] + torch.randperm(V, generator=g)[: 2 + t].tolist()
+         for t in range(int(cmask[i].sum()))]
+        for i in range(3)
+    ]  # fmt: skip
+    kept_ids = kept_sets(rows, 6)  # (3, 6, 8)
+    assert kept_ids.shape == (3, 6, 8) and kept_ids[2, 4:].eq(-1).all()
+    gens = Generations(completions * cmask, cmask, sampling_kept=kept_ids)
+    b = make_batch([[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]], gens, 0)
+    out = {}
+    for packing in (False, True):
+        mb = micro_slice(b, torch.arange(3))
+        out[packing] = forward_logps(model, mb, 0.9, packing, "cpu", top_k=2).detach()  # (3, c)
+        assert "sampling_thresholds" not in mb
+    c, am = mb["logits_to_keep"], mb["attention_mask"]
+    with torch.no_grad():
+        logits = model(
+            input_ids=mb["input_ids"], attention_mask=am, position_ids=positions_from_mask(am)
+        ).logits[:, -c - 1 : -1]  # (3, c, V)
+    kept = torch.zeros(3, c, V, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        for t, ids in enumerate(row):
+            kept[i, t, ids] = True
+    kept[~mb["completion_mask"].bool()] = True  # padding: anything, masked out below
+    ref, _ = naive_truncated(logits / 0.9, mb["input_ids"][:, -c:], kept)  # (3, c)
+    cm = mb["completion_mask"].bool()
+    for packing in (False, True):
+        close(out[packing] * cm, ref * cm, 1e-5)
+
+
 def test_model_logps_restores_lm_head_on_error(model):
     ids, mask = batch(model.config.vocab_size)
     bad = ids.clone()
