@@ -557,6 +557,27 @@ def test_each_top_k_rule_is_its_samplers_at_a_tie(top_k, top_p):
         truncation_thresholds(z, top_k, top_p, "flashinfer")
 
 
+def test_the_rule_named_for_vllm_is_the_one_it_dispatches_here():
+    """generation.sampler_top_k_rule(True) against vLLM's own dispatcher (apply_top_k_top_p: its
+    Triton kernel where vLLM has Triton, else its PyTorch rule) on bf16-valued logits whose k-th
+    ties straddle the cut: the same count kept in every row. HF generate's: transformers'."""
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from generation import sampler_top_k_rule
+
+    if HAS_TRITON:  # its kernel wants a CUDA tensor: tests/gpu runs on one
+        pytest.skip("vLLM has Triton here: its Triton kernel needs the GPU")
+    z = tied_logits(8, 4096, seed=24, tie_top_k=20)  # (R, V)
+    R = z.shape[0]
+    for p in (None, torch.full((R,), 0.9)):
+        vllm = apply_top_k_top_p(z.clone(), torch.full((R,), 20), p) > float("-inf")  # (R, V)
+        top_p = 1.0 if p is None else 0.9
+        tau, n = truncation_thresholds(z, 20, top_p, sampler_top_k_rule(True)).unbind(1)
+        assert torch.equal((z > tau[:, None]).sum(1) + n, vllm.sum(1).float())
+    assert sampler_top_k_rule(False) == "pytorch"
+
+
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.3])
 def test_fused_logps_replays_a_kept_set_built_by_hand(entropy_coef):
     """kept_ids, the set the sampler returned (vLLM's return_sampling_mask): log-probs, entropies
