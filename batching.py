@@ -167,17 +167,21 @@ def make_batch(prompt_ids, gens, pad_id):
     """Left-padded prompts + right-padded completions: input_ids, attention_mask (B, P + C).
 
     gens.completion_ids, gens.completion_mask: (B, C) with each prompt's B / len(prompt_ids)
-    completions adjacent (generation.py's layout)."""
+    completions adjacent (generation.py's layout). The sampler's kept sets, where it returned
+    them (gens.sampling_kept (B, C, k)), travel with the batch as "sampling_kept"."""
     G = gens.completion_ids.shape[0] // len(prompt_ids)
     rows = [p for p in prompt_ids for _ in range(G)]
     P = max(len(p) for p in rows)
     prompt = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in rows])  # (B, P)
     prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows])  # (B, P)
-    return {
+    batch = {
         "input_ids": torch.cat([prompt, gens.completion_ids], 1),  # (B, T)
         "attention_mask": torch.cat([prompt_mask, gens.completion_mask], 1),  # (B, T)
         "completion_mask": gens.completion_mask,
     }  # (B, C)
+    if getattr(gens, "sampling_kept", None) is not None:
+        batch["sampling_kept"] = gens.sampling_kept  # (B, C, k) int32
+    return batch
 
 
 # ---- Micro-batches ------------------------------------------------------------------------------
@@ -297,7 +301,16 @@ def pack(mb):
 
 
 def forward_logps(
-    model, mb, temperature, packing, device, return_entropy=False, chunk_size=0, top_k=0, top_p=1.0
+    model,
+    mb,
+    temperature,
+    packing,
+    device,
+    return_entropy=False,
+    chunk_size=0,
+    top_k=0,
+    top_p=1.0,
+    top_k_rule="triton",
 ):
     """(b, c) log-probs (and entropies) of micro-batch mb's completion tokens, padded or packed
     (one row, positions restarting per sequence: the same values, no padded tokens computed).
@@ -306,13 +319,18 @@ def forward_logps(
     top_k > 0 or top_p < 1 (the policy sampled with them): under the distribution renormalised
     over the tokens the sampler kept (logprobs.py), cut at mb["sampling_thresholds"] (b, c, 2) when
     an earlier scoring found them, else found now and set there (on the CPU), so a later forward
-    of the same rows (a micro-batch of the update, another iteration) uses the same cut."""
+    of the same rows (a micro-batch of the update, another iteration) uses the same cut.
+    top_k_rule: the sampler's (generation.sampler_top_k_rule). mb["sampling_kept"] (b, c, k), the
+    sets the sampler returned (Generations.sampling_kept): replayed as they are, no cut found."""
     kw = dict(temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size)
     if sequence_parallel.layout() is not None:  # this rank scores its 1/S of the row
         return _sliced_logps(model, mb, packing, device, kw)
     found = mb.get("sampling_thresholds")  # (b, c, 2) or None: (tau, n) per token
+    replay = mb.get("sampling_kept")  # (b, c, k) or None: the sampler's own kept ids
+    if replay is not None:
+        return _replayed_logps(model, mb, replay, packing, device, kw)
     if top_k > 0 or top_p < 1:
-        kw.update(top_k=top_k, top_p=top_p, return_thresholds=True)
+        kw.update(top_k=top_k, top_p=top_p, return_thresholds=True, top_k_rule=top_k_rule)
     if not packing:
         if "top_p" in kw and found is not None:
             kw["thresholds"] = found.to(device)  # (b, c, 2)
@@ -378,6 +396,31 @@ def _sliced_logps(model, mb, packing, device, kw):
 
 def _listed(out):
     return list(out) if isinstance(out, tuple) else [out]
+
+
+def _replayed_logps(model, mb, replay, packing, device, kw):
+    """forward_logps over the kept sets the sampler returned (b, c, k): the log-probs
+    renormalised over exactly those (logprobs.fused_logps' kept_ids)."""
+    if not packing:
+        out = model_logps(
+            model,
+            mb["input_ids"].to(device),
+            mb["attention_mask"].to(device),
+            mb["logits_to_keep"],
+            kept_ids=replay.to(device),
+            **kw,
+        )
+        return out
+    ids, pos, where = pack(mb)  # (1, N), (1, N), (M,)
+    cm, where = mb["completion_mask"], where.to(device)
+    flat = torch.full((1, ids.shape[1] - 1, replay.shape[-1]), -1, device=device)  # the prompt's
+    flat[0, where] = replay[cm.bool()].to(device=device, dtype=flat.dtype)  # (1, N - 1, k)
+    out = model_logps(
+        model, ids.to(device), None, ids.shape[1] - 1, position_ids=pos.to(device), **kw,
+        kept_ids=flat,
+    )  # fmt: skip
+    out = [unpack(x[0, where], cm) for x in (out if isinstance(out, tuple) else (out,))]
+    return tuple(out) if kw["return_entropy"] else out[0]
 
 
 def unpack(flat, completion_mask):

@@ -32,10 +32,14 @@ S tokens per sequence (prompt + completion), C completion tokens, m micro-batch 
   backward, 2b + 4 in flight); flex attention a block mask of (S / 128)^2 int32 blocks; flash
   attention none (varlen);
 - fused log-probs: a tile (c tokens x v vocab) fp32 and its exp (x2 forward); backward adds the
-  (V, H) fp32 weight gradient, an fp32 (mC, H) hidden gradient and a (v, H) fp32 weight slice.
+  (V, H) fp32 weight gradient, an fp32 (mC, H) hidden gradient and the larger of a (v, H) fp32
+  weight slice beside the tile and, at its end in bf16, both gradients' bf16 copies (V + mC) H b.
   Naive log-probs: (mC, V) logits in b + fp32 copy + log_softmax (x2 with gradients);
-- optimizer step: + the fp32 gradient partition 4N/W (mixed precision) + torch Adam's two fp32
-  temporaries of the tensor it steps (one parameter, or the flat ZeRO partition); fused Adam: none;
+- optimizer step: + the fp32 gradient (mixed precision) of what one step() call holds + torch
+  Adam's temporaries of it (adam_step_temporaries): ZeRO-0 every parameter (4N), ZeRO-1/2 the
+  flat partition (4N/W), ZeRO-3 its largest sub-group (largest_sub_group: ~sub_group_size, 1e9
+  elements); foreach (CUDA) one fp32 temporary of all of it, the for-loop (CPU) two of the tensor
+  it steps and the previous one's denominator; fused Adam: none;
 - HF generation: KV cache 2 L k d b per token of every sequence in flight, plus (sequences, V)
   fp32 logits x3 (logits, probabilities, top-p sort); vLLM: gpu_memory_utilization x device
   (on CPU, vllm_bytes: its KV cache space, its own copy of the weights and its runtime); its
@@ -143,6 +147,7 @@ def model_shape(config):
     )
     bias = c.get("attention_bias", c.get("model_type") == "qwen2")  # Qwen2 has q/k/v biases
     qkv = (s["h"] + 2 * s["k"]) * s["d"]
+    s["qkv_bias"] = bool(bias)
     s["layer_params"] = (
         H * qkv + (qkv if bias else 0) + s["h"] * s["d"] * H + 3 * H * s["I"] + 2 * H
     )
@@ -224,6 +229,45 @@ def _logprob_fwd_bytes(V, completion_tokens, b, fused, logprob_chunk):
     return completion_tokens * V * (b + 8)
 
 
+def param_sizes(s, reward_head=False):
+    """The model's parameters' sizes (elements) in the order DeepSpeed steps them (the order of
+    model.parameters() for a Llama/Qwen decoder): the embedding; per layer q, k, v (each with its
+    bias on Qwen2), o, gate, up, down, the two norms; the final norm; an untied lm_head (a reward
+    model: its (H, 1) score head instead)."""
+    H, I, q, kv = s["H"], s["I"], s["h"] * s["d"], s["k"] * s["d"]
+    attn = [H * q, q, H * kv, kv, H * kv, kv] if s["qkv_bias"] else [H * q, H * kv, H * kv]
+    layer = [*attn, q * H, I * H, I * H, H * I, H, H]
+    head = [H] if reward_head else ([] if s["tied"] else [s["embed_params"]])
+    return [s["embed_params"], *layer * s["L"], H, *head]
+
+
+def largest_sub_group(sizes, world_size, sub_group_size):
+    """ZeRO-3's largest optimizer sub-group, in elements per rank: the parameters' partitions
+    (ceil(n / W) each) taken in order until they reach sub_group_size, all of them when they do
+    not (DeepSpeed's stage3._create_fp16_sub_groups; sub_group_size from its config, 1e9 by
+    default). Each sub-group's fp32 gradient is made, stepped and freed before the next's."""
+    parts = [-(-n // world_size) for n in sizes]
+    if sub_group_size >= sum(parts):
+        return sum(parts)
+    largest = run = 0
+    for n in parts:
+        run += n
+        if run >= sub_group_size:
+            largest, run = max(largest, run), 0
+    return max(largest, run)
+
+
+def adam_step_temporaries(stepped, foreach):
+    """Bytes torch's Adam/AdamW allocates beside its states in one step() over the fp32 tensors
+    `stepped` (elements each): foreach (the path torch takes for CUDA tensors when DeepSpeed
+    builds it with foreach=None) makes one temporary of every tensor at once (_foreach_sqrt of
+    exp_avg_sq, then in place); the for-loop (CPU) makes two of the tensor it steps
+    (exp_avg_sq.sqrt() / c) while the previous tensor's denominator is still held."""
+    if foreach:
+        return 4 * sum(stepped)
+    return 4 * max(2 * n + prev for prev, n in zip([0, *stepped], stepped))
+
+
 def estimate_memory(
     model_config,
     *,
@@ -251,6 +295,8 @@ def estimate_memory(
     ref_offload=False,
     zero3_live_params=1e9,
     fused_adam=False,
+    adam_foreach=False,
+    sub_group_size=10**9,
     generation_resident_bytes=0,
     critic_config=None,
     reward_config=None,
@@ -291,6 +337,9 @@ def estimate_memory(
     attention and log-prob terms); activation_offload: the layer checkpoints in host memory (with
     gradient_checkpointing); tiled_mlp: the MLP in tiles; attn_implementation and packing: the
     attention path (attention_path) and what it builds.
+    fused_adam: DeepSpeed's fused Adam (no step temporaries); else torch's, adam_foreach: its
+    foreach path (CUDA tensors), not its for-loop (CPU); sub_group_size: ZeRO-3's optimizer
+    sub-group (DeepSpeed's zero_optimization.sub_group_size).
     Returns {"phases": {phase: bytes}, "pieces": {piece: bytes}, "cpu": offloaded bytes per rank,
     "highest": phase, "params": N}.
     """
@@ -363,7 +412,12 @@ def estimate_memory(
     if reward_head:  # one score per sequence, no vocabulary's logits
         p["logprob_fwd"] = p["logprob_update"] = 0
     elif fused_logprobs:
-        p["logprob_update"] = p["logprob_fwd"] + 4 * V * H + 4 * ctok * H + 4 * min(tv, V) * H
+        # the fp32 gradients of the weight and the hidden states, and either a tile with its
+        # weight slice (the loop) or, at its end, their copies in the model's dtype (bf16:
+        # .to(bf16) beside the fp32 accumulators; fp32: no copy)
+        tile = p["logprob_fwd"] + 4 * min(tv, V) * H
+        cast = 2 * (V + ctok) * H if mixed else 0
+        p["logprob_update"] = 4 * V * H + 4 * ctok * H + max(tile, cast)
     else:
         p["logprob_update"] = 2 * p["logprob_fwd"]
     seqs = min(generation_batch_size, prompts_per_rank * num_generations)
@@ -371,16 +425,22 @@ def estimate_memory(
     p["generation_logits"] = 3 * seqs * V * 4
     held = max(p["zero3_live"], min(N * b, generation_resident_bytes))  # middle mode: resident
     p["generation_params"] = (N * b if gather_for_generation else held) if zero_stage == 3 else 0
-    p["fp32_grad_partition"] = (
-        0 if (offload_optimizer or not mixed) else 4 * T // (W if zero_stage >= 1 else 1)
+    # the optimizer step: each step() call's fp32 tensors, and its fp32 gradient beside them.
+    # ZeRO-0 steps every parameter in one call (mixed precision: FP16_UnfusedOptimizer's fp32
+    # copies, each with its fp32 gradient); ZeRO-1/2 the flat partition of the group; ZeRO-3 one
+    # sub-group at a time (largest_sub_group), its fp32 gradient made and freed around its step
+    sizes = param_sizes(s, reward_head) if trainable_params is None else [T]
+    if zero_stage == 0:
+        stepped = sizes
+    elif zero_stage < 3:
+        stepped = [T // W]
+    else:
+        stepped = [min(T // W, largest_sub_group(sizes, W, sub_group_size))]
+    p["fp32_grad_partition"] = 0 if (offload_optimizer or not mixed) else 4 * sum(stepped)
+    # torch Adam ("torch_adam": true in configs/): adam_step_temporaries; fused Adam: none
+    p["adam_temporaries"] = (
+        0 if offload_optimizer or fused_adam else adam_step_temporaries(stepped, adam_foreach)
     )
-    # torch Adam ("torch_adam": true in configs/) makes ~2 fp32 temporaries of the tensor it steps:
-    # one parameter (stage 0), the flat partition (1/2), a sub-group of <= 1e9 elements (3); fused
-    # Adam: 0
-    stepped = (
-        min(largest, T) if zero_stage == 0 else T // W if zero_stage < 3 else min(T // W, 10**9)
-    )
-    p["adam_temporaries"] = 0 if offload_optimizer or fused_adam else 2 * 4 * stepped
     p["vllm"] = vllm_share
     resident = (
         p["params"] + p["grads"] + p["optimizer"] + p["reference"] + p["critic"] + p["reward_model"]

@@ -40,6 +40,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 from checks import check_model_path, read_ds_json, training_dtype
 from estimate import PRESETS, describe, estimate_memory, format_table, lora_params, model_shape
@@ -49,6 +50,9 @@ from memory import GB
 from tasks import TASK_CHARS
 from tiny_models import llama_config
 from zero3_utils import all_max, all_reduce_
+
+# ZeRO-3's optimizer sub-group when the config names none: DeepSpeed's own default
+ZERO_SUB_GROUP_SIZE = int(DeepSpeedZeroConfig.model_fields["sub_group_size"].default)
 
 # the ledger's phases that micro-batches and the log-prob tile drive (the loops' names; a phase a
 # loop does not have peaks at 0)
@@ -222,6 +226,8 @@ def estimate_kwargs(args, world, models, knobs=None, gpu_gb=0.0):
         ref_offload=knobs.frozen_offload,
         logprob_chunk=(knobs.logprob_chunk_size or DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE),
         fused_adam=cuda and not ds.get("optimizer", {}).get("params", {}).get("torch_adam", False),
+        adam_foreach=cuda,  # torch's Adam with foreach=None (DeepSpeed's) on CUDA tensors
+        sub_group_size=int(float(zero.get("sub_group_size", ZERO_SUB_GROUP_SIZE))),
         reference_model=bool(models.get("reference")),
         critic_config=(rm if models.get("critic") == "reward_model" else config)
         if models.get("critic")

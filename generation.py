@@ -66,6 +66,31 @@ class Generations:
     completion_ids: torch.Tensor  # (N*G, C) long
     completion_mask: torch.Tensor  # (N*G, C) long
     logprobs: torch.Tensor | None = None  # (N*G, C) float: the sampler's log-prob of each token
+    # (N*G, C, k) int32, -1 padding: the token ids the sampler's top-k / top-p kept at each token
+    # (vLLM's return_sampling_mask: Model Runner V2, top_k > 0), for batching.forward_logps
+    sampling_kept: torch.Tensor | None = None
+
+
+def sampler_top_k_rule(use_vllm):
+    """The top-k rule of the sampler that samples here (logprobs.TOP_K_RULES): vLLM with Triton
+    (its CUDA build) cuts with its Triton kernel, exactly k; vLLM without it (the CPU build) with
+    its PyTorch rule, and HF generate with transformers' top-k warper: the whole tie at the k-th."""
+    if use_vllm:
+        from vllm.triton_utils import HAS_TRITON
+
+        return "triton" if HAS_TRITON else "pytorch"
+    return "pytorch"
+
+
+def kept_sets(rows, length):
+    """(n, length, k) int32 of per-token kept id lists (vLLM's SamplingMask.token_ids, one list of
+    lists per completion), -1 padding: k the longest set, at most top_k."""
+    k = max((len(ids) for row in rows for ids in row), default=0)
+    out = torch.full((len(rows), length, max(k, 1)), -1, dtype=torch.int32)
+    for i, row in enumerate(rows):
+        for t, ids in enumerate(row):
+            out[i, t, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return out
 
 
 def sampler_logp_gap(trainer_logps, gens):
@@ -430,15 +455,20 @@ class VLLMGenerator:
                 outputs += result  # in request order
         if self.tp > 1:
             outputs = outputs[local_range[0] : local_range[1]]
-        ids, logps = [], []
+        ids, logps, kept = [], [], []
         for out in outputs:
             for c in out.outputs:  # the G samples of one prompt
                 ids.append(list(c.token_ids))
                 logps.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                # an engine built with return_sampling_mask=True: the sets its cut kept
+                mask = getattr(c, "sampling_mask", None)
+                kept.append(None if mask is None else mask.token_ids)
+        completion_ids = _stack_right_padded(ids, self.pad_token_id, torch.long)  # (N*G, C)
         return Generations(
-            _stack_right_padded(ids, self.pad_token_id, torch.long),  # (N*G, C); ends at EOS
+            completion_ids,  # ends at EOS
             _stack_right_padded([[1] * len(r) for r in ids], 0, torch.long),
             _stack_right_padded(logps, 0.0, torch.float32),
+            None if None in kept or not kept else kept_sets(kept, completion_ids.shape[1]),
         )
 
     def sync_weights(self, model_or_engine, max_numel=2**26):

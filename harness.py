@@ -422,6 +422,16 @@ def default_run_dir(args):
     return os.path.join("runs", f"{algo}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
+def without_lone_allreduce(engine):
+    """The training engine as the loops run it: on one rank at ZeRO-0, DeepSpeed's backward
+    gradient all-reduce turned off (it would only copy every gradient into one flat buffer: 0.32
+    GB at 85M parameters, bench/vs_trl.py; the update is the same). The GPU tier's benchmark
+    calls it too."""
+    if engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0:
+        engine.enable_backward_allreduce = False
+    return engine
+
+
 # ---- The run on this rank --------------------------------------------------------------------
 class Run:
     """This rank's run: the process group, the checked inputs (`Inputs`' fields are its
@@ -514,11 +524,7 @@ class Run:
                 opt, lambda s: min(1.0, (s + 1) / (steps + 1))
             ),
         )
-        if engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0:
-            # one rank: DeepSpeed's gradient all-reduce would only copy every gradient into one
-            # flat buffer (0.32 GB at 85M parameters, bench/vs_trl.py); the update is the same
-            engine.enable_backward_allreduce = False
-        return engine
+        return without_lone_allreduce(engine)
 
     def frozen(self, model):
         """A frozen model (reference, reward): under ZeRO-3 the module of an inference engine,

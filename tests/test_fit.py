@@ -55,9 +55,12 @@ def test_off_by_default_and_a_budget_above_changes_nothing():
 
 
 def test_a_budget_below_lowers_the_cheapest_knobs_first_and_fits():
-    need = need_gb(grpo.parse_args(QWEN))
+    # fp32: in bf16 the log-prob backward peaks at its gradients' bf16 copies, which no tile
+    # lowers (estimate.py), and the ladder rightly passes the tile by
+    argv = QWEN + ["--dtype", "fp32"]
+    need = need_gb(grpo.parse_args(argv))
     budget = 0.6 * need
-    args, phases, lines = fitted(QWEN + ["--memory_budget_gb", str(budget)])
+    args, phases, lines = fitted(argv + ["--memory_budget_gb", str(budget)])
     assert max(phases.values()) <= HIGH_WATER * budget * GB  # the estimate, runtime included
     # the ladder's order: frozen shards to CPU, then the tile, then the micro-batch...
     said = lines[0]  # the flags to paste, in the order the ladder moved them, then as given
@@ -144,6 +147,25 @@ def test_gpu_gb_fits_on_paper_for_a_gpu_this_machine_lacks(capsys):
     assert knobs.per_device_train_batch_size < args.per_device_train_batch_size  # fitted
     assert grpo.main(argv + ["--gpu_gb", "24", "--estimate_memory", "True"]) is not None
     assert "every phase under 90% of --gpu_gb 24 (21.60 GiB per GPU)" in capsys.readouterr().out
+
+
+def test_gpu_gb_40_takes_the_gpu_tiers_1_5b_run_as_given():
+    """The GPU tier's 1.5B GRPO run (tests/gpu/test_tier.py: ZeRO-3, the pretrained recipe, 256
+    completion tokens) on a 40 GiB GPU: torch's Adam steps CUDA tensors on its foreach path (one
+    fp32 temporary) over ZeRO-3 sub-groups of DeepSpeed's 1e9 elements, so the optimizer step is
+    30.46 GiB and the flags as given fit (the whole fp32 gradient with two temporaries of a
+    sub-group, as once counted: 36.2 GiB, over 90 % of 40)."""
+    argv = ["--model", "qwen2.5-1.5b", "--recipe", "pretrained", "--max_completion_length", "256"]
+    argv += ["--prompts_per_rank", "2", "--num_generations", "4"]
+    argv += ["--per_device_train_batch_size", "4", "--gpu_gb", "40"]
+    args = grpo.parse_args(argv)
+    models = grpo.memory_models(args)
+    kw = estimate_kwargs(args, 1, models, gpu_gb=40)
+    assert kw["adam_foreach"] and kw["sub_group_size"] == 10**9 and not kw["fused_adam"]
+    assert round(estimate_memory(**kw)["phases"]["optimizer_step"] / GB, 2) == 30.46
+    knobs, phases = fit.fit_for_gpu(args, 1, models, 40, say=lambda s: None)
+    given = dataclasses.replace(Knobs.given(args), memory_budget_gb=40)  # the GPU is the budget
+    assert knobs == given and max(phases.values()) <= HIGH_WATER * 40 * GB
 
 
 def estimate_said(loop, argv, capsys):

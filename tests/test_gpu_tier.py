@@ -58,7 +58,7 @@ def test_tier_skips_without_a_device_and_runs_on_the_cpu_stand_in(tmp_path):
         "test_parity_and_benchmark wall time",
         "test_loops_end_to_end wall time",
         "test_estimate_against_the_ledger wall time",
-        "trainer bf16 vs fp32 log-probs, max|d| by position 0-128/128-512/512-640",
+        "trainer bf16 vs fp32 log-probs max|d|, by position 0-128/128-512/512-640",
         "fused vs naive log-probs",
         "peak memory, naive",
         "grpo ZeRO-3: exit 0",
@@ -97,6 +97,8 @@ def test_tier_worker_checks_are_independent(tmp_path):
     """tests/gpu/dist_tier.py with a second model that does not load: its benchmark is a row
     "... failed" with the error, and the parity and the first model's benchmark still give every
     figure; each check's wall time is a row. (CPU stand-in, the tiny model, T 640.)"""
+    from gpu.test_tier import one, results
+
     from conftest import torchrun
     from tiny_models import build_family
 
@@ -119,6 +121,42 @@ def test_tier_worker_checks_are_independent(tmp_path):
         "benchmark tiny wall time",
         "benchmark no-such-model wall time",
     ]
+    # the tier's parser over the worker's own rows: each measure once, the maximum and the mean
+    # of bf16 vs fp32 apart, the ZeRO-0 rows the loops' engine (no backward all-reduce)
+    by = results(rows)
+    top = one(by, "trainer bf16 vs fp32 log-probs max|d|,")
+    mean = one(by, "trainer bf16 vs fp32 log-probs mean|d|,")
+    assert all(0 < m < x for m, x in zip(mean, top)), (mean, top)
+    update = [r for r in rows if r["measure"].startswith("update")]
+    assert len(update) == 3 * 2, update  # tokens/s and MFU at ZeRO 0, 2 and 3
+    for r in update:
+        stage = r["measure"].split(", ")[1]
+        assert r["note"].endswith(f"all-reduce {'off' if stage == 'ZeRO-0' else 'on'}"), r
+
+
+def test_the_tiers_parser_keeps_every_figure_and_names_one():
+    """tests/gpu/test_tier.py reads the worker's rows by measure: a measure printed twice fails,
+    and so does a key that begins several measures (once the maximum of bf16 vs fp32 and then
+    its mean shared one key, and the bound on the maximum checked the mean)."""
+    import pytest
+    from gpu.test_tier import one, results
+
+    names = "0-128/128-512/512-640"
+    rows = [
+        dict(measure=f"trainer bf16 vs fp32 log-probs max|d|, by position {names}", value=[3.0]),
+        dict(measure=f"trainer bf16 vs fp32 log-probs mean|d|, by position {names}", value=[0.1]),
+        dict(measure="buffers, ZeRO-3 partitioned vs plain: largest difference", value=0),
+    ]
+    by = results(rows)
+    assert one(by, "trainer bf16 vs fp32 log-probs max|d|,") == [3.0]
+    assert one(by, "trainer bf16 vs fp32 log-probs mean|d|,") == [0.1]
+    assert one(by, "buffers") == 0
+    with pytest.raises(AssertionError, match="begins 2 of the worker's measures"):
+        one(by, "trainer bf16 vs fp32 log-probs")
+    with pytest.raises(AssertionError, match="begins 0"):
+        one(by, "trainer bf16 vs fp32 log-probs, max")
+    with pytest.raises(AssertionError, match="printed 'buffers, ZeRO-3 .*' twice"):
+        results(rows + rows[-1:])
 
 
 # What the tier's processes import, as docs/gpu.md lists it ("What a GPU node needs"): these

@@ -496,6 +496,121 @@ def test_fused_logps_is_vllms_processed_logprob_at_a_tie(top_k, top_p):
         assert split.any() and (off < 0).all() and off.min() < -1e-3
 
 
+def hand_kept_triton(z, top_k, top_p):
+    """(R, V) bool: the Triton rule by hand: exactly top_k, the lowest-numbered of a tie at the
+    k-th first (a stable sort), then top-p over those as vLLM's rule removes the least likely."""
+    R, V = z.shape
+    order = torch.sort(-z, dim=1, stable=True).indices  # (R, V) likeliest first, ties by index
+    kept = torch.zeros(R, V, dtype=torch.bool)
+    kept.scatter_(1, order[:, :top_k], True)
+    if top_p < 1:
+        s = z.masked_fill(~kept, float("-inf")).sort(dim=1)  # (R, V) ascending
+        removed = s.values.softmax(-1).cumsum(-1) <= 1 - top_p  # (R, V)
+        removed[:, -1] = False
+        kept.scatter_(1, s.indices, ~removed & kept.gather(1, s.indices))
+    return kept
+
+
+@pytest.mark.parametrize("top_k,top_p", [(20, 1.0), (50, 0.9), (50, 0.8)])
+def test_each_top_k_rule_is_its_samplers_at_a_tie(top_k, top_p):
+    """bf16-valued logits at a quarter of Qwen's V, the k-th's tie straddling the cut in every
+    other row: "pytorch" is vLLM's own apply_top_k_top_p_pytorch (and, top-k alone, the
+    apply_top_k_only it runs on CPU and transformers' TopKLogitsWarper, HF generate's): the same
+    tokens kept and
+    fused_logps its processed log-prob within 1e-5 in every row; "triton" is exactly k, the
+    lowest-numbered first (vLLM's Triton kernel needs a GPU: a set built by hand); each rule off
+    the other's sampler where the two keep different counts (a straddling tie top-p leaves)."""
+    from transformers import TopKLogitsWarper
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_only
+
+    z = tied_logits(16, 151936 // 4, seed=21, tie_top_k=top_k)  # (R, V)
+    R = z.shape[0]
+    kth = z.topk(top_k, dim=1).values[:, -1:]  # (R, 1)
+    straddles = (z >= kth).sum(1) > top_k  # (R,)
+    assert straddles[::2].all()
+    hidden, weight = torch.eye(R), z.t().contiguous()  # z = hidden @ weight.T, exact
+    g = torch.Generator().manual_seed(22)
+    sets = {"pytorch": vllm_kept(z, top_k, top_p), "triton": hand_kept_triton(z, top_k, top_p)}
+    differ = sets["pytorch"].sum(1) != sets["triton"].sum(1)  # (R,) top-p may cut both alike
+    assert differ.any() and not differ[~straddles].any()
+    for rule, kept in sets.items():
+        tau, n = truncation_thresholds(z, top_k, top_p, rule).unbind(1)  # (R,) each
+        assert torch.equal((z > tau[:, None]).sum(1) + n, kept.sum(1).float())  # every row
+        processed = z.masked_fill(~kept, float("-inf")).log_softmax(-1)  # (R, V)
+        targets = torch.multinomial(processed.exp(), 1, generator=g)[:, 0]  # (R,)
+        for r in range(0, R, 2):  # the sampled token one of the tie at the cut, in both sets
+            targets[r] = ((z[r] == tau[r]) & kept[r]).nonzero()[0, 0]
+        ref = processed.gather(1, targets[:, None])[:, 0]  # (R,)
+        kw = dict(top_k=top_k, top_p=top_p, vocab_chunk_size=8192, top_k_rule=rule)
+        close(fused_logps(hidden, weight, targets, **kw), ref, 1e-5)
+        other = "triton" if rule == "pytorch" else "pytorch"
+        wrong = fused_logps(hidden, weight, targets, **{**kw, "top_k_rule": other})  # (R,)
+        theirs = sets[other].scatter(1, targets[:, None], True)  # (R, V) with the sampled token
+        off = theirs.sum(1) != kept.sum(1)  # (R,) the other rule scores over another set
+        assert off[differ].any() and (wrong - ref)[off].abs().min() > 1e-4
+    if top_p == 1:  # top-k alone: the CPU engine's top-k-only path and HF generate's warper
+        whole = vllm_kept(z, top_k, 1.0)
+        cpu = apply_top_k_only(z.clone(), torch.full((R,), top_k)) > float("-inf")
+        assert torch.equal(cpu, whole)
+        assert torch.equal(TopKLogitsWarper(top_k)(None, z.clone()) > float("-inf"), whole)
+    with pytest.raises(ValueError, match="top_k_rule"):
+        truncation_thresholds(z, top_k, top_p, "flashinfer")
+
+
+def test_the_rule_named_for_vllm_is_the_one_it_dispatches_here():
+    """generation.sampler_top_k_rule(True) against vLLM's own dispatcher (apply_top_k_top_p: its
+    Triton kernel where vLLM has Triton, else its PyTorch rule) on bf16-valued logits whose k-th
+    ties straddle the cut: the same count kept in every row. HF generate's: transformers'."""
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from generation import sampler_top_k_rule
+
+    if HAS_TRITON:  # its kernel wants a CUDA tensor: tests/gpu runs on one
+        pytest.skip("vLLM has Triton here: its Triton kernel needs the GPU")
+    z = tied_logits(8, 4096, seed=24, tie_top_k=20)  # (R, V)
+    R = z.shape[0]
+    for p in (None, torch.full((R,), 0.9)):
+        vllm = apply_top_k_top_p(z.clone(), torch.full((R,), 20), p) > float("-inf")  # (R, V)
+        top_p = 1.0 if p is None else 0.9
+        tau, n = truncation_thresholds(z, 20, top_p, sampler_top_k_rule(True)).unbind(1)
+        assert torch.equal((z > tau[:, None]).sum(1) + n, vllm.sum(1).float())
+    assert sampler_top_k_rule(False) == "pytorch"
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.3])
+def test_fused_logps_replays_a_kept_set_built_by_hand(entropy_coef):
+    """kept_ids, the set the sampler returned (vLLM's return_sampling_mask): log-probs, entropies
+    and gradients of the distribution renormalised over exactly those ids (padding -1; the
+    sampled token counts as kept where a set lacks it), fp64 against naive autograd; tiles that
+    split the vocabulary and the rows."""
+    g = torch.Generator().manual_seed(23)
+    N, H, V, k = 7, 6, 45, 9
+    hidden = torch.randn(N, H, generator=g, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64).requires_grad_()
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(N)])  # (N, k)
+    ids[1, 5:] = -1  # a shorter set
+    targets = ids[:, 0].clone()  # (N,)
+    targets[2] = next(v for v in range(V) if v not in ids[2])  # one sampled outside its set
+    kept = torch.zeros(N, V, dtype=torch.bool)
+    for r in range(N):
+        kept[r, [v for v in ids[r].tolist() if v >= 0] + [targets[r].item()]] = True
+    ref = naive_truncated(hidden @ weight.t(), targets, kept)  # (N,) each
+    out = fused_logps(
+        hidden, weight, targets, chunk_size=3, vocab_chunk_size=8, return_entropy=True,
+        kept_ids=ids, top_k=3, top_p=0.5,  # not read: the set replaces any cut
+    )  # fmt: skip
+    for a, r in zip(out, ref):
+        close(a, r, 1e-12)
+    gl = torch.randn(N, generator=g, dtype=torch.float64)
+    fa = torch.autograd.grad((out[0] * gl).sum() - entropy_coef * out[1].sum(), (hidden, weight))
+    fr = torch.autograd.grad((ref[0] * gl).sum() - entropy_coef * ref[1].sum(), (hidden, weight))
+    for a, r in zip(fa, fr):
+        close(a, r, 1e-12)
+    with pytest.raises(ValueError, match="kept_ids"):
+        fused_logps(hidden, weight, targets, kept_ids=ids[:3])
+
+
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.3])
 def test_fused_logps_split_tie_grads_fp64(entropy_coef):
     """Gradients where the cut keeps part of a tie: those of the log-prob (and entropy) over the
@@ -712,6 +827,48 @@ def test_forward_logps_top_p_padded_packed_and_reused(model):
     mb["sampling_thresholds"] = full[False][1] + torch.tensor([1e-3, 0.0])  # a cut of its own
     again = forward_logps(model, mb, 0.9, False, "cpu", top_p=0.8).detach()
     assert ((again - full[False][0]).abs() * cm).max() > 1e-4
+
+
+def test_forward_logps_replays_the_samplers_kept_sets(model):
+    """Generations.sampling_kept, built by hand as vLLM's return_sampling_mask gives it, travels
+    with the batch (make_batch, micro_slice) and batching.forward_logps renormalises over exactly
+    those sets, padded and packed alike: the naive log-probs from full logits; no cut is found."""
+    from batching import forward_logps, make_batch, micro_slice
+    from generation import kept_sets
+
+    g = torch.Generator().manual_seed(6)
+    V = model.config.vocab_size
+    completions = torch.randint(3, V, (3, 6), generator=g)  # (3, 6)
+    cmask = torch.ones_like(completions)
+    cmask[2, 4:] = 0
+    rows = [
+        [[int(completions[i, t])] + torch.randperm(V, generator=g)[: 2 + t].tolist()
+         for t in range(int(cmask[i].sum()))]
+        for i in range(3)
+    ]  # fmt: skip
+    kept_ids = kept_sets(rows, 6)  # (3, 6, 8)
+    assert kept_ids.shape == (3, 6, 8) and kept_ids[2, 4:].eq(-1).all()
+    gens = Generations(completions * cmask, cmask, sampling_kept=kept_ids)
+    b = make_batch([[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]], gens, 0)
+    out = {}
+    for packing in (False, True):
+        mb = micro_slice(b, torch.arange(3))
+        out[packing] = forward_logps(model, mb, 0.9, packing, "cpu", top_k=2).detach()  # (3, c)
+        assert "sampling_thresholds" not in mb
+    c, am = mb["logits_to_keep"], mb["attention_mask"]
+    with torch.no_grad():
+        logits = model(
+            input_ids=mb["input_ids"], attention_mask=am, position_ids=positions_from_mask(am)
+        ).logits[:, -c - 1 : -1]  # (3, c, V)
+    kept = torch.zeros(3, c, V, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        for t, ids in enumerate(row):
+            kept[i, t, ids] = True
+    kept[~mb["completion_mask"].bool()] = True  # padding: anything, masked out below
+    ref, _ = naive_truncated(logits / 0.9, mb["input_ids"][:, -c:], kept)  # (3, c)
+    cm = mb["completion_mask"].bool()
+    for packing in (False, True):
+        close(out[packing] * cm, ref * cm, 1e-5)
 
 
 def test_model_logps_restores_lm_head_on_error(model):

@@ -1,12 +1,25 @@
 """memory.py and estimate.py: the ledger sees real allocations on CPU; the estimate's arithmetic
 by hand and vs real models."""
 
+import inspect
 import os
+import types
+import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from estimate import PRESETS, estimate_memory, knobs_to_fit, lora_params, model_shape
+from estimate import (
+    PRESETS,
+    estimate_memory,
+    knobs_to_fit,
+    largest_sub_group,
+    lora_params,
+    model_shape,
+    param_sizes,
+)
 from memory import GB, MemoryLedger
 
 MB = 2**20
@@ -216,3 +229,129 @@ def test_cli_prints_table_and_knobs(capsys):
     assert "(fits 80 GiB per GPU)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="offload_params needs zero_stage 3"):
         estimate_memory("qwen2.5-7b", zero_stage=2, offload_params=True)
+
+
+# ---- The optimizer step by device and stage --------------------------------------------------
+class Temporaries(TorchDispatchMode):
+    """A stand-in for a device allocator that counts what torch's Adam allocates in a step: every
+    new tensor an op returns (not an input's storage, as an in-place op's), live until its last
+    reference goes; `peak` the most bytes live at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = tree_flatten((args, kwargs))[0]
+        inputs = {t.untyped_storage().data_ptr() for t in given if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dim()
+                and t.untyped_storage().data_ptr() not in inputs
+            ):
+                n = t.untyped_storage().nbytes()
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self.free, n)
+        return out
+
+    def free(self, n):
+        self.live -= n
+
+
+def counted_step(sizes, foreach):
+    """torch.optim.AdamW as DeepSpeed builds it ("torch_adam": true), one step over fp32 tensors
+    of these sizes after the one that makes its states: the bytes the stand-in saw at its peak.
+    foreach=True is the path torch takes for CUDA tensors with DeepSpeed's foreach=None."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    for x in params:
+        x.grad = torch.randn(x.numel())
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, foreach=foreach)
+    opt.step()
+    with Temporaries() as count:
+        opt.step()
+    return count.peak
+
+
+QWEN_SMALL = dict(PRESETS["qwen2.5-0.5b"], hidden_size=64, intermediate_size=96, vocab_size=300)
+QWEN_SMALL.update(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.mark.parametrize("config", [SMALL, QWEN_SMALL], ids=["llama", "qwen2"])
+def test_param_sizes_are_the_models_parameters_in_order(config):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    assert param_sizes(model_shape(config)) == [p.numel() for p in model.parameters()]
+
+
+def test_largest_sub_group_is_deepspeeds():
+    """largest_sub_group against DeepSpeed's own grouping (stage3._create_fp16_sub_groups over
+    parameters whose partitions are ceil(n / W)), and the estimate's default sub_group_size is
+    DeepSpeed's (fit.py reads it from the config)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    from fit import ZERO_SUB_GROUP_SIZE
+
+    sizes = param_sizes(model_shape(QWEN_SMALL))
+    for W, group in [(1, 10_000), (2, 10_000), (3, 7_000), (1, 30_000), (4, 10**9)]:
+        params = [types.SimpleNamespace(partition_numel=lambda n=n, W=W: -(-n // W)) for n in sizes]
+        ds = Stage3._create_fp16_sub_groups(types.SimpleNamespace(sub_group_size=group), params)
+        largest = max(sum(p.partition_numel() for p in g) for g in ds)
+        assert largest_sub_group(sizes, W, group) == largest, (W, group)
+    assert inspect.signature(estimate_memory).parameters["sub_group_size"].default == (
+        ZERO_SUB_GROUP_SIZE
+    )
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop (CPU)", "foreach (CUDA)"])
+def test_adam_temporaries_are_what_torch_allocates(stage, foreach):
+    """The estimate's Adam temporaries against the stand-in's count of torch's AdamW over the
+    tensors each stage steps in one call: ZeRO-0 every parameter (the model's, in order), ZeRO-1/2
+    the flat partition, ZeRO-3 its largest sub-group (here 20,000 elements: two of them)."""
+    W, group = 2, 20_000
+    shape = model_shape(QWEN_SMALL)
+    kw = dict(world_size=W, zero_stage=stage, sub_group_size=group, adam_foreach=foreach)
+    p = estimate_memory(QWEN_SMALL, dtype="bf16", **kw)["pieces"]
+    N = shape["N"]
+    stepped = {0: param_sizes(shape), 3: [largest_sub_group(param_sizes(shape), W, group)]}
+    stepped = stepped.get(stage, [N // W])
+    assert stage != 3 or stepped[0] < N // W  # two sub-groups: one is stepped at a time
+    assert p["adam_temporaries"] == counted_step(stepped, foreach)
+    assert p["fp32_grad_partition"] == 4 * sum(stepped)  # each one's fp32 gradient beside it
+    if foreach:  # one fp32 temporary of all of it: as many bytes as its fp32 gradient
+        assert p["adam_temporaries"] == p["fp32_grad_partition"]
+
+
+def test_optimizer_step_at_the_gpu_tiers_shapes():
+    """Qwen2.5-0.5B and 1.5B, ZeRO-3 on one GPU: the step holds the resident states (16 N), the
+    fp32 gradient and one foreach temporary of one sub-group (the whole model at 0.5B, a
+    ~1e9-element one at 1.5B); the CPU for-loop has two temporaries."""
+    kw = dict(world_size=1, zero_stage=3, seq_len=512, completion_len=256, micro_batch_size=2)
+    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+        N = model_shape(name)["N"]
+        group = min(N, largest_sub_group(param_sizes(model_shape(name)), 1, 10**9))
+        assert (group == N) == (name == "qwen2.5-0.5b") and group < 1.02e9
+        for foreach, temps in ((True, 1), (False, 2)):
+            est = estimate_memory(name, adam_foreach=foreach, **kw)
+            assert est["phases"]["optimizer_step"] == 16 * N + 4 * group * (1 + temps), name
+    cuda = estimate_memory("qwen2.5-1.5b", adam_foreach=True, **kw)["phases"]["optimizer_step"]
+    assert round(cuda / GB, 2) == 30.46
+
+
+def test_fused_logps_backward_holds_its_bf16_copies():
+    """At the end of the fused backward in bf16 both fp32 gradients are cast beside their
+    accumulators ((V + mC) H x 2 bytes): at these shapes more than the loop's tile and weight
+    slice, so it is the log-prob term's peak; in fp32 the cast is no copy."""
+    m, C = 2, 256
+    kw = dict(micro_batch_size=m, seq_len=512, completion_len=C, logprob_chunk=(256, 4096))
+    s = model_shape("qwen2.5-0.5b")
+    V, H = s["V"], s["H"]
+    bf16 = estimate_memory("qwen2.5-0.5b", dtype="bf16", **kw)["pieces"]
+    fp32 = estimate_memory("qwen2.5-0.5b", dtype="fp32", **kw)["pieces"]
+    held = 4 * V * H + 4 * m * C * H
+    assert bf16["logprob_update"] == held + 2 * (V + m * C) * H
+    assert fp32["logprob_update"] == held + fp32["logprob_fwd"] + 4 * 4096 * H

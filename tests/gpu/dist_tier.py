@@ -11,7 +11,9 @@ parity (the first model): tests/dist_parity.py's comparison at T tokens per row 
 bench (every model): the update (model_logps over half the row, backward, optimizer step) at ZeRO
   stage 0, 2 and 3, bf16, `steps` timed steps after one warm-up: tokens per second and
   model-FLOPs utilisation (6 N FLOPs per token, attention left out) against the device's bf16
-  peak; HF generation's tokens per second under ZeRO-3, gathered and sharded.
+  peak; HF generation's tokens per second under ZeRO-3, gathered and sharded. Each engine is the
+  loops' (harness.without_lone_allreduce: at ZeRO-0 on one rank no backward all-reduce); each row
+  notes whether the all-reduce ran.
 Each check runs on its own (checked()): a failure is a RESULT "<check> failed" with its message,
 after whatever figures it gave, and the next check still runs; each one's wall time is a RESULT.
 """
@@ -32,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from exits import exit_process  # noqa: E402
 from generation import attn_implementation_for, generate_hf, unwrap_for_generation  # noqa: E402
+from harness import without_lone_allreduce  # noqa: E402
 from logprobs import model_logps  # noqa: E402
 from zero3_load import load_model  # noqa: E402
 from zero3_utils import load_ds_config  # noqa: E402
@@ -65,8 +68,12 @@ def by_position(a, b):
 
 
 def trained(model, ds):
+    """A training engine as the loops build it (harness.Run.train_engine): at ZeRO-0 on one rank
+    without DeepSpeed's backward all-reduce."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return deepspeed.initialize(model=model, model_parameters=params, config=ds)[0]
+    return without_lone_allreduce(
+        deepspeed.initialize(model=model, model_parameters=params, config=ds)[0]
+    )
 
 
 def parity(path, T):
@@ -95,8 +102,8 @@ def parity(path, T):
     valid[1, : P.PAD - 1] = False  # the left padding scores nothing
     top = [d[:, a:b][valid[:, a:b]].max().item() for a, b in P.BUCKETS]
     mean = [d[:, a:b][valid[:, a:b]].mean().item() for a, b in P.BUCKETS]
-    result("a", f"trainer bf16 vs fp32 log-probs, max|d| by position {names}", top, "nats")
-    result("a", f"trainer bf16 vs fp32 log-probs, mean|d| by position {names}", mean, "nats")
+    result("a", f"trainer bf16 vs fp32 log-probs max|d|, by position {names}", top, "nats")
+    result("a", f"trainer bf16 vs fp32 log-probs mean|d|, by position {names}", mean, "nats")
     del engine, fp32
 
 
@@ -146,9 +153,12 @@ def bench(path, T, steps, peak, peak_from):
         tok_s = B * T * steps / dt
         mfu = 6 * n_params * tok_s / peak
         where = f"{name} ({n_params / 1e6:.1f}M params), B={B} T={T}"
-        result("e", f"update tokens/s, ZeRO-{stage}, {where}", tok_s, "tok/s")
+        # the loops' engine: at ZeRO-0 on one rank no backward all-reduce (without_lone_allreduce)
+        reduce = "on" if engine.enable_backward_allreduce else "off"
+        result("e", f"update tokens/s, ZeRO-{stage}, {where}", tok_s, "tok/s",
+               f"backward all-reduce {reduce}")  # fmt: skip
         note = f"bf16 peak: {peak_from}" + ("" if CUDA else "; CPU: the code path, not a figure")
-        result("e", f"update MFU, ZeRO-{stage}, {where}", mfu, "", note)
+        result("e", f"update MFU, ZeRO-{stage}, {where}", mfu, "", f"{note}; all-reduce {reduce}")
         if stage == 3:
             generation(engine, name, V)
         del engine, model

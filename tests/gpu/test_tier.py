@@ -194,23 +194,49 @@ def test_parity_and_benchmark(summary, models):
 
     script = os.path.join(ROOT, "tests", "gpu", "dist_tier.py")
     conftest.torchrun(script, S["T"], S["steps"], *models, nproc=1, on_line=on_line)
-    by = {r["measure"].split(",")[0]: r["value"] for r in rows}
-    failed = [f"{r['measure']}: {r['value']}" for r in rows if r["measure"].endswith(" failed")]
+    by = results(rows)
+    failed = [f"{m}: {v}" for m, v in by.items() if m.endswith(" failed")]
     assert not failed, failed
     # the same weights run the same computation; on a GPU the partitioned build's RoPE table is
     # the device's pow (within BUFFER_ULPS of the CPU's), and bf16 rounding shows it by position
-    assert by["ZeRO-3 partitioned vs plain"] == [0.0, 0.0, 0.0] or CUDA, by
-    assert max(by["ZeRO-3 partitioned vs plain"]) < 0.1, by
+    partitioned = one(by, "ZeRO-3 partitioned vs plain, bf16, max|d|")
+    assert partitioned == [0.0, 0.0, 0.0] or CUDA, partitioned
+    assert max(partitioned) < 0.1, partitioned
     from dist_parity import BUFFER_ULPS
 
-    assert by["buffers"] <= (BUFFER_ULPS if CUDA else 0), by
+    ulps = one(by, "buffers, ZeRO-3 partitioned vs plain")
+    assert ulps <= (BUFFER_ULPS if CUDA else 0), ulps
     # bf16 against fp32: rounding, not a wrong position or weight (a rotary angle or a missing
-    # weight puts whole nats between them)
-    top = by["trainer bf16 vs fp32 log-probs"]
+    # weight puts whole nats between them); the bound is on the largest difference, each bucket
+    top = one(by, "trainer bf16 vs fp32 log-probs max|d|,")
     assert all(0 < x < 1.0 for x in top), top
+    assert all(m < x for m, x in zip(one(by, "trainer bf16 vs fp32 log-probs mean|d|,"), top))
     bench = [r for r in rows if r["measure"].startswith(("update", "HF generation"))]
     assert len(bench) == len(models) * (3 * 2 + 2), [r["measure"] for r in bench]
     assert all(math.isfinite(r["value"]) and r["value"] > 0 for r in bench), bench
+    # what the loops run: at ZeRO-0 on one rank no backward all-reduce (harness.Run.train_engine)
+    for r in bench:
+        if r["measure"].startswith("update"):
+            zero0 = ", ZeRO-0," in r["measure"]
+            assert r["note"].endswith(f"all-reduce {'off' if zero0 else 'on'}"), r
+
+
+def results(rows):
+    """The worker's RESULT rows as {measure: value}, every measure once (one printed twice would
+    hide the other's figure)."""
+    by = {}
+    for r in rows:
+        assert r["measure"] not in by, f"the worker printed {r['measure']!r} twice"
+        by[r["measure"]] = r["value"]
+    return by
+
+
+def one(by, start):
+    """The value of the one measure of results() that begins with `start`: none, or several (the
+    maximum and the mean of one comparison), is a wrong key, and fails."""
+    hits = [m for m in by if m.startswith(start)]
+    assert len(hits) == 1, f"{start!r} begins {len(hits)} of the worker's measures: {hits}"
+    return by[hits[0]]
 
 
 # ---- b: the fused log-prob op -------------------------------------------------------------------
