@@ -571,7 +571,8 @@ class Run:
         samples what one rank sampling its prompts would."""
         if self.sp is not None:
             mine = prompt_ids if self.sp.rank == 0 else []
-            out = self._generate(mine, num_generations, max_new_tokens)
+            with sequence_parallel.paused():  # whole sequences
+                out = self._generate(mine, num_generations, max_new_tokens)
             return sequence_parallel.from_first(out if self.sp.rank == 0 else None)
         return self._generate(prompt_ids, num_generations, max_new_tokens)
 

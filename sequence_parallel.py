@@ -4,6 +4,7 @@ Sequence Training pieces of `deepspeed/runtime/sequence_parallel/ulysses_sp.py`)
 
     sp = sequence_parallel.init(2)                       # after the process group; every rank
     sequence_parallel.install("sdpa")                    # before the first forward
+    with sequence_parallel.paused(): model.generate(...) # whole sequences, one rank
     out = sequence_parallel.row_forward(fn, ids, pos)    # fn(ids, pos) on this rank's slice
 
 Layout (DeepSpeed's): world W = D * S ranks; sequence-parallel group i is ranks [i S, (i + 1) S),
@@ -54,7 +55,7 @@ class Layout:
 
 
 _LAYOUT = None  # the run's Layout (init), None without sequence parallelism
-_ACTIVE = False  # inside row_forward: attention runs Ulysses' all-to-all
+_ACTIVE = True  # attention runs Ulysses' all-to-all (once installed), but while paused()
 _ULYSSES = {}  # (batch, heads, kv heads, head size) -> UlyssesSPAttentionHF
 
 
@@ -82,11 +83,11 @@ def init(size):
 
 
 def install(core_attn_implementation):
-    """Route `core_attn_implementation` (sdpa, flash_attention_2, ...) through Ulysses while a
-    row_forward runs; outside it (generation, a model without sequence parallelism) the core
-    attention runs as it is. Models keep their config's attention name, so every branch of
-    transformers that reads it still runs (DeepSpeed's register_with_transformers does the same,
-    but for every forward)."""
+    """Route `core_attn_implementation` (sdpa, flash_attention_2, ...) through Ulysses: every
+    forward of every model then computes a slice (row_forward), and so does the recomputation of
+    a checkpointed layer in backward; generation (whole sequences, on one rank of the group)
+    runs under paused(). Models keep their config's attention name, so every branch of
+    transformers that reads it still runs (DeepSpeed's register_with_transformers does the same)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     core = ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
@@ -163,13 +164,14 @@ class _Gather(torch.autograd.Function):
 
 
 @contextmanager
-def _active():
+def paused():
+    """The core attention as it is inside: generation samples whole sequences on one rank."""
     global _ACTIVE
-    _ACTIVE = True
+    _ACTIVE = False
     try:
         yield
     finally:
-        _ACTIVE = False
+        _ACTIVE = True
 
 
 def row_forward(fn, ids, pos, pad_id=0):
@@ -190,8 +192,7 @@ def row_forward(fn, ids, pos, pad_id=0):
     pos_p = torch.cat([pos, tail], 1)  # (b, L')
     targets = torch.cat([ids_p[:, 1:], ids.new_full((b, 1), pad_id)], 1)  # (b, L') next token
     mine = slice(r * n, (r + 1) * n)
-    with _active():
-        out = fn(ids_p[:, mine], pos_p[:, mine], targets[:, mine])
+    out = fn(ids_p[:, mine], pos_p[:, mine], targets[:, mine])
     single = not isinstance(out, tuple)
     out = [_Gather.apply(x)[:, :L] for x in ([out] if single else out)]  # (b, L, ...) each
     return out[0] if single else tuple(out)

@@ -30,6 +30,7 @@ from exits import exit_process
 from fit import Knobs
 from generation import Generations
 from reward_model import sequence_scores
+from zero3_load import enable_gradient_checkpointing
 from zero3_utils import set_data_group
 
 
@@ -92,6 +93,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_pretrained(a.policy, attn_implementation="sdpa")
+    enable_gradient_checkpointing(policy)  # its backward recomputes each layer's slice
     body = AutoModelForCausalLM.from_pretrained(a.policy, attn_implementation="sdpa").model
     critic = Critic(body, torch.nn.Linear(body.config.hidden_size, 1, bias=False))
     reward = AutoModelForSequenceClassification.from_pretrained(
@@ -119,7 +121,8 @@ def main():
     # packed sequences under sdpa: the attention sees across their boundary
     ids = torch.randint(3, policy.config.vocab_size, (1, 30))
     pos = torch.cat([torch.arange(12), torch.arange(18)])[None]
-    whole = policy(input_ids=ids, position_ids=pos, use_cache=False).logits  # (1, 30, V)
+    with sequence_parallel.paused():  # the whole row on this rank
+        whole = policy(input_ids=ids, position_ids=pos, use_cache=False).logits  # (1, 30, V)
 
     def logits(i, q, t):
         return policy(input_ids=i, position_ids=q, use_cache=False).logits
