@@ -311,6 +311,14 @@ def check_model_path(path, flag="--model", need_weights=True):
     already in the local cache; returns its config."""
     from transformers import AutoConfig
 
+    if os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(
+        os.path.join(path, "config.json")
+    ):
+        raise RunError(
+            f"{flag} {path} is a LoRA adapter (peft: PeftModel.from_pretrained(base, path) loads "
+            f"it onto its base model), not a model: give the merged model a LoRA run writes "
+            f"beside it (<run_dir>/final_merged, --save_merged True)"
+        )
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise RunError(
             f"{flag} {path}: the directory has no config.json; point it at a saved transformers "

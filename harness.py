@@ -72,7 +72,14 @@ from runlog import RunLog
 from tasks import pass_at_k, score_completions
 from vllm_server import vllm_generator, write_server_settings
 from zero3_load import enable_gradient_checkpointing, load_model
-from zero3_utils import from_rank0, frozen_config, frozen_engine, load_ds_config, save_hf
+from zero3_utils import (
+    from_rank0,
+    frozen_config,
+    frozen_engine,
+    load_ds_config,
+    save_adapter,
+    save_hf,
+)
 
 
 # ---- The fields both loops have (each loop's Args extends this) --------------------------------
@@ -158,6 +165,9 @@ class RunArgs:
     lora_r: int = arg(0, "> 0: train LoRA adapters of this rank only (peft)", ">= 0")
     lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
     lora_target_modules: str = arg("all-linear", "peft target_modules")
+    save_merged: bool = arg(
+        True, "LoRA: beside the adapter (final/), the merged plain model in <run_dir>/final_merged"
+    )
     dtype: str = arg(
         "auto", "auto (bf16 on a GPU with bf16, else fp32), bf16 or fp32", ("auto", "bf16", "fp32")
     )
@@ -183,6 +193,14 @@ class RunArgs:
     report_to: str = arg(
         "none", "none or wandb (offline unless WANDB_MODE is set)", ("none", "wandb")
     )
+    log_completions: bool = arg(
+        False,
+        "each step's prompts, completions and rewards (rank 0's) in <run_dir>/completions.jsonl, "
+        "and as a wandb table with --report_to wandb",
+    )
+    num_completions_to_print: int = arg(
+        0, "--log_completions: print this many of each step's completions", ">= 0"
+    )
     estimate_memory: bool = arg(False, "print the per-phase memory estimate (fit.py) and exit")
     gpu_gb: float = arg(0.0, "--estimate_memory on paper for a GPU of this many GB", ">= 0")
     memory_budget_gb: float = arg(
@@ -200,6 +218,10 @@ def parse(args_class, recipes, argv=None):
     if args.use_vllm and args.gather_for_generation is False:
         raise RunError(
             "--gather_for_generation False applies to HF generation; drop it with --use_vllm"
+        )
+    if args.num_completions_to_print and not args.log_completions:
+        raise RunError(
+            "--num_completions_to_print prints what --log_completions True logs: pass both"
         )
     if args.max_steps == 0 and args.resume:
         raise RunError(
@@ -584,10 +606,32 @@ class Run:
             saved = saved or self.save(step)
             raise Stopped(self.stop.message(signum, step, saved))  # exit 5 (checkpoint.py)
 
+    def log_completions(self, prompt_ids, gens, rewards, per_func, advantages=None):
+        """--log_completions: rank 0's prompts of this step (as the model read them), each
+        completion with its total reward, each function's reward and its advantage ((B,), if
+        given) in completions.jsonl and wandb's table; --num_completions_to_print of them printed.
+        No collective: call it on every rank or on rank 0 alone."""
+        if not self.args.log_completions or self.rank != 0:
+            return
+        G = len(gens.completion_ids) // len(prompt_ids)
+        prompts = self.tokenizer.batch_decode(prompt_ids)
+        texts = self.tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
+        rows = []
+        for i, text in enumerate(texts):
+            row = {"step": self.step, "prompt": prompts[i // G], "completion": text}
+            row["reward"] = float(rewards[i])
+            row.update({f"rewards/{k}": float(v[i]) for k, v in per_func.items()})
+            if advantages is not None:
+                row["advantage"] = float(advantages[i])
+            rows.append(row)
+        self.log.completions(rows)
+        for r in rows[: self.args.num_completions_to_print]:
+            tqdm.write(f"  {r['prompt']!r} -> {r['completion']!r}: reward {r['reward']:.3f}")
+
     def save(self, step):
-        a = self.args
+        a, adapter = self.args, self.policy if self.args.lora_r else None
         return save_checkpoint(
-            self.engines, self.ckpt_dir, step, self.ckpt_config, a.save_total_limit
+            self.engines, self.ckpt_dir, step, self.ckpt_config, a.save_total_limit, adapter
         )
 
     def held_out(self, step, when):
@@ -626,11 +670,11 @@ class Run:
         self.log.record(row)
         return reward
 
-    def finish(self, panels, save=None):
-        """After the last step: the held-out score, the memory summary, the final model
-        (save(path); default: the policy's full weights, merged with LoRA), curves.png; then the
-        process group closes. --max_steps 0: the held-out score of the model as given, no final
-        model."""
+    def finish(self, panels):
+        """After the last step: the held-out score, the memory summary, the final model in final/
+        (the policy's full weights; LoRA: its adapter as peft saves it, and with --save_merged the
+        merged model in final_merged/), curves.png; then the process group closes. --max_steps 0:
+        the held-out score of the model as given, no final model."""
         a = self.args
         if not a.max_steps:  # evaluation only: the model as given, no checkpoint, no final model
             self.held_out(0, f"step 0, {self.model_path} as given (--max_steps 0)")
@@ -656,7 +700,10 @@ class Run:
             )
         if a.save_model and a.max_steps:
             final = os.path.join(a.run_dir, "final")
-            (save or (lambda path: save_hf(self.policy, self.tokenizer, path)))(final)
+            if a.lora_r:  # TRL's layout: PeftModel.from_pretrained(base, final)
+                save_adapter(self.policy, self.tokenizer, final)
+            if a.save_merged or not a.lora_r:  # a plain model (LoRA: merged) for vLLM, --model
+                save_hf(self.policy, self.tokenizer, final + "_merged" if a.lora_r else final)
         self.log.close(panels=panels)
         dist.barrier()
         if self.vllm is None:  # vLLM's exit handler tears down its groups with the default one

@@ -258,6 +258,28 @@ def assert_vllm_holds_trainer_weights(rows, tol=1e-4):
         assert 0 <= r["sampling/sampling_logp_difference/mean"] <= gap < tol, r
 
 
+def assert_adapter_is_the_merged_model(run, checkpoint_adapter):
+    """final/ and a checkpoint's adapter/ load as peft's documentation writes it, onto the base
+    model (the run's model/), and give the logits of the merged model (final_merged/)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert (run / "final" / "adapter_config.json").exists() and not (
+        run / "final" / "config.json"
+    ).exists()
+    ids = torch.tensor([[1, 4, 5, 6, 7, 3]])
+    merged = AutoModelForCausalLM.from_pretrained(run / "final_merged").eval()
+    base_logits = AutoModelForCausalLM.from_pretrained(run / "model")(ids).logits
+    for path in (run / "final", checkpoint_adapter):
+        base = AutoModelForCausalLM.from_pretrained(run / "model")
+        model = PeftModel.from_pretrained(base, path).eval()
+        with torch.no_grad():
+            logits = model(ids).logits
+        assert torch.allclose(logits, merged(ids).logits, atol=1e-5), path
+        assert not torch.allclose(logits, base_logits, atol=1e-5), path  # the adapters moved
+
+
 def train_rows(run_dir):
     """The per-step training rows of a run's metrics.jsonl."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
