@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from batching import encode_prompts, stop_token_ids, template_kwargs
 from data import eval_count, held_out_warning, row_name, shuffled_rows, size_problem
 from exits import RunError
-from tasks import TASK_CHARS, reward_functions, score_completions, task_model
+from tasks import TASK_CHARS, exact_match_reward, reward_functions, score_completions, task_model
 from zero3_load import checkpoint_files, local_dir
 
 
@@ -65,6 +66,8 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     # no --model: a tiny one from scratch
     model_path = task_model(args.model, args.run_dir, rank, args.seed)
     problems.append(answer_problem(funcs, rows, args.data, args.answer_field))
+    never, seldom = unmatchable_answers(funcs, rows, args.data, args.answer_field)
+    problems.append(never)
     config = check_model_path(model_path)
     tokenizer = load_tokenizer(model_path, args.pad_token)
     for flag, path in (("--reward_model", reward_model), ("--teacher_model", teacher)):
@@ -82,7 +85,7 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     unknown, unread = unknown_tokens(tokenizer, rows, args, model_path)
     problems.append(unknown)
     check_data(problems)
-    for warning in (held, unread, long_prompt_warning(lengths, args.max_prompt_length)):
+    for warning in (held, unread, seldom, long_prompt_warning(lengths, args.max_prompt_length)):
         if warning and rank == 0:
             print(warning, file=sys.stderr)
     if funcs:
@@ -221,6 +224,59 @@ def answer_problem(funcs, rows, data, field="answer"):
     return None
 
 
+def unmatchable_answers(funcs, rows, data, field="answer"):
+    """(problem, warning), each None or a message: with exact_match_reward (--data's default
+    reward) among the rewards, answers that span several lines can never equal a completion's
+    last line, so every completion of their prompts scores 0. Over UNKNOWN_SHARE of the sampled
+    rows: a problem naming the reward to pass (GSM8K's "... #### 42": rewards:math_reward);
+    some: a warning."""
+    if exact_match_reward not in funcs:
+        return None, None
+    sample = rows[:UNKNOWN_SAMPLE]
+    multi = [r for r in sample if isinstance(r.get("answer"), str) and "\n" in r["answer"].strip()]
+    if not multi:
+        return None, None
+    first = min(multi, key=lambda r: r.get("index", 0))
+    what = (
+        f'{len(multi)} of {len(sample)} answers ("{field}") of --data {data} (first: '
+        f"{row_name(data, first.get('index', 0))}) span several lines, and exact_match_reward "
+        "(--data's default reward) scores 1 only when a completion's last line equals the whole "
+        "answer: every completion of those prompts would score 0"
+    )
+    gsm8k = any(re.search(r"^####\s*\S", r["answer"], re.M) for r in multi)
+    fix = (
+        'pass --reward_funcs rewards:math_reward, which compares the answer after "####" (GSM8K\'s '
+        "form) with the completion's as numbers"
+        if gsm8k
+        else "pass --reward_funcs that read these answers, or give one-line answers"
+    )
+    if len(multi) > UNKNOWN_SHARE * len(sample):
+        return f"{what}; {fix}", None
+    return None, f"warning: {what}; {fix}"
+
+
+def reward_line(args, funcs, weights, reward_model=""):
+    """The run's reward in words, among its first lines: the functions with their weights and
+    where they come from, or the reward model; None for a loop without either (rm.py)."""
+    if reward_model:
+        return f"reward: the score of --reward_model {reward_model}"
+    if not funcs:
+        return None
+    terms = " + ".join(
+        f"{w:g} x {getattr(f, '__module__', '?')}.{getattr(f, '__name__', repr(f))}"
+        for f, w in zip(funcs, weights)
+    )
+    source = (
+        "--reward_funcs"
+        if args.reward_funcs
+        else "--data's default: 1 when the completion's last line is the answer; --reward_funcs "
+        "for others"
+        if args.data
+        else "the built-in task's"
+    )
+    return f"reward: {terms} ({source})"
+
+
 def check_data(problems):
     """Every problem found in the rows (None: none) in one RunError, numbered when there are
     several, so that one fix-and-retry mends them all."""
@@ -236,22 +292,29 @@ UNKNOWN_SHARE = 0.25  # prompts or answers with more unknown tokens than this: r
 UNKNOWN_SAMPLE = 200  # rows read (the first of the shuffled rows: a random sample)
 
 
-def unknown_tokens(tokenizer, rows, args, model_path):
-    """(problem, warning), each None or a message: the share of the sampled rows' prompt tokens
-    and answer tokens (text answers and numbers) that the tokenizer maps to its unknown token. Over
-    UNKNOWN_SHARE in either, the run would learn from <unk>: a problem saying which model reads
-    what; some, a warning naming the unknown pieces. A tokenizer without an unknown token (byte-
-    level BPE: GPT-2, Qwen, Llama 3) reads any text."""
+def row_texts(row):
+    """{part: texts} of a prompt row that the tokenizer reads: its prompt, its answer (text answers
+    and numbers)."""
+    answer = row["answer"]
+    answers = [str(answer)] if isinstance(answer, (str, int, float)) else []
+    return {"prompts": [prompt_text(row["prompt"])], "answers": answers}
+
+
+def unknown_tokens(tokenizer, rows, args, model_path, texts_of=row_texts):
+    """(problem, warning), each None or a message: the share of the sampled rows' tokens in each
+    part (texts_of(row): {part: texts}; prompt rows: prompts and answers, pairs.py's: prompts and
+    responses) that the tokenizer maps to its unknown token. Over UNKNOWN_SHARE in any, the run
+    would learn from <unk>: a problem saying which model reads what; some, a warning naming the
+    unknown pieces. A tokenizer without an unknown token (byte-level BPE: GPT-2, Qwen, Llama 3)
+    reads any text."""
     unk = tokenizer.unk_token_id
     if unk is None:
         return None, None
     sample = sorted(rows[:UNKNOWN_SAMPLE], key=lambda r: r.get("index", 0))  # source order
-    texts = {
-        "prompts": [(r, prompt_text(r["prompt"])) for r in sample],
-        "answers": [
-            (r, str(r["answer"])) for r in sample if isinstance(r["answer"], (str, int, float))
-        ],
-    }
+    texts = {}
+    for r in sample:
+        for part, values in texts_of(r).items():
+            texts.setdefault(part, []).extend((r, t) for t in values)
     found, pieces, example = {}, collections.Counter(), {}
     for part, pairs in texts.items():
         total = unknown = 0

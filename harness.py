@@ -58,6 +58,7 @@ from checks import (
     check_partitioned_loading,
     check_vllm,
     read_ds_json,
+    reward_line,
     training_dtype,
 )
 from exits import RunError
@@ -295,6 +296,8 @@ def preflight(args, rank, world, models, say=print):
     beside = [models.get(k, "") for k in ("reward_model", "env", "teacher")]
     # rm.py trains on preference pairs (pairs.py), the loops on prompts
     found = check_pairs(args, rank) if models.get("pairs") else check_inputs(args, rank, *beside)
+    if line := reward_line(args, found["funcs"], found["weights"], models.get("reward_model")):
+        say(line)  # among the run's first lines: what it is trained to do
     dtype = training_dtype(args.dtype)
     mini = models.get("mini_batches", 1)  # whole groups on every rank in each optimizer step
     check_global_batch(

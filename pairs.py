@@ -20,12 +20,20 @@ common ones (prompt, chosen, rejected); --prompt_field, --chosen_field, --reject
 import math
 import os
 import random
+import sys
 
 import torch
 import torch.distributed as dist
 
 from batching import encode_prompts, make_batch, stop_token_ids, template_kwargs
-from checks import check_data, check_model_path, check_templates, load_tokenizer
+from checks import (
+    check_data,
+    check_model_path,
+    check_templates,
+    load_tokenizer,
+    prompt_text,
+    unknown_tokens,
+)
 from data import _read, conversation_error, row_name
 from exits import RunError
 from generation import Generations
@@ -165,12 +173,7 @@ def pair_batch(tokenizer, rows, max_prompt_length, max_response_length, template
     responses): rows 2i and 2i + 1 are pair i's chosen and rejected sequences; "margin" (2N,) the
     pair's margin on both. A response is its tokens and eos, cut to max_response_length."""
     prompt_ids = encode_prompts(tokenizer, rows, max_prompt_length, template_kwargs)
-    texts = [r[side] for r in rows for side in ("chosen", "rejected")]
-    eos = [tokenizer.eos_token_id]
-    resp = [
-        (ids + eos)[:max_response_length]
-        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]
-    ]
+    resp = response_ids(tokenizer, rows, max_response_length)  # 2N lists
     C = max(len(x) for x in resp)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([x + [pad] * (C - len(x)) for x in resp])  # (2N, C)
@@ -178,6 +181,48 @@ def pair_batch(tokenizer, rows, max_prompt_length, max_response_length, template
     batch = make_batch(prompt_ids, Generations(ids, mask), pad)
     batch["margin"] = torch.tensor([float(r.get("margin", 0.0)) for r in rows]).repeat_interleave(2)
     return batch
+
+
+def response_ids(tokenizer, rows, max_response_length):
+    """Each pair's chosen and rejected responses (2N lists, pair i's at 2i and 2i + 1) as the reward
+    model reads them: the text's tokens and eos, cut to max_response_length."""
+    texts = [r[side] for r in rows for side in ("chosen", "rejected")]
+    eos = [tokenizer.eos_token_id]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return [(x + eos)[:max_response_length] for x in ids]
+
+
+def pair_texts(row):
+    """{part: texts} of a pair that the tokenizer reads (checks.unknown_tokens)."""
+    return {"prompts": [prompt_text(row["prompt"])], "responses": [row["chosen"], row["rejected"]]}
+
+
+TIED_SHARE = 0.25  # pairs that read the same once cut: above this share refused, else a warning
+
+
+def tied_pairs(tokenizer, rows, args):
+    """(problem, warning), each None or a message: the pairs whose responses differ but read the
+    same once tokenized and cut to --max_completion_length (pair_batch's cut), so the reward
+    model scores them alike whatever it learns (loss ln 2, no gradient). Over TIED_SHARE of the
+    pairs: a problem; some: a warning."""
+    differ = [r for r in rows if r["chosen"] != r["rejected"]]
+    resp = response_ids(tokenizer, differ, args.max_completion_length)
+    tied = [r for r, c, x in zip(differ, resp[0::2], resp[1::2]) if c == x]
+    if not tied:
+        return None, None
+    source = f"--data {args.data}" if args.data else "the built-in task"
+    longest = max(len(x) for x in response_ids(tokenizer, tied, 10**9))
+    what = (
+        f"{source}: {len(tied)} of {len(rows)} pairs (first: "
+        f"{row_name(args.data, min(r['index'] for r in tied))}) have a chosen and a rejected "
+        f"response that read the same once cut to --max_completion_length "
+        f"{args.max_completion_length} tokens (eos included), so the reward model scores them "
+        f"alike whatever it learns"
+    )
+    fix = f"raise --max_completion_length (their longest response has {longest} tokens)"
+    if len(tied) > TIED_SHARE * len(rows):
+        return f"{what}: {fix}", None
+    return None, f"warning: {what} (they add nothing to the loss); {fix}, or drop them"
 
 
 def reward_model_start(args, rank):
@@ -231,7 +276,15 @@ def check_pairs(args, rank):
             f"{tokenizer.convert_ids_to_tokens(config.pad_token_id)!r}"
         )
     train_rows, eval_rows = rows[args.num_eval_prompts :], rows[: args.num_eval_prompts]
-    check_templates(tokenizer, train_rows[:20000] + eval_rows, args, model_path, kwargs)
+    checked = train_rows[:20000] + eval_rows
+    check_templates(tokenizer, checked, args, model_path, kwargs)
+    # what the reward model would read: <unk>, or a chosen and a rejected response cut alike
+    unknown, unread = unknown_tokens(tokenizer, rows, args, model_path, pair_texts)
+    tied, ties = tied_pairs(tokenizer, checked, args)
+    check_data([unknown, tied])
+    for warning in (unread, ties):
+        if warning and rank == 0:
+            print(warning, file=sys.stderr)
     return dict(
         train_rows=train_rows,
         eval_rows=eval_rows,

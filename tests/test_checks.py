@@ -1044,3 +1044,66 @@ def test_a_refused_run_creates_nothing(env, capsys):
     (env / "run").mkdir()
     assert fails(capsys, preflight(ppo.main, env, "--num_eval_prompts", 1000), "1000 rows")
     assert os.listdir(env / "run") == []
+
+
+STORIES = os.path.join(ROOT, "..", "shared", "assets", "stories260K-hf")
+SKY = [
+    {"prompt": f"Is the sky blue? ({i})", "chosen": "Yes, the sky is blue.", "rejected": c}
+    for i, c in enumerate(["Yes, the sky is green.", "Yes, the sky is red."] * 12)
+]
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"needs the stories260K model at {STORIES}")
+def test_pairs_the_reward_model_cannot_tell_apart_are_refused(env, capsys):
+    """rm.py without --model on English pairs: the built-in task's tokenizer reads <unk>, and cut
+    to its 2 response tokens every pair is a tie (loss ln 2, accuracy 0): both said in one
+    message. A model whose tokenizer reads them still ties them at 2 tokens; at 16 they differ,
+    and the pre-flight passes."""
+    import rm
+
+    data = jsonl(env / "sky.jsonl", [json.dumps(r) for r in SKY])
+    assert fails(
+        capsys,
+        preflight(rm.main, env, "--data", data),
+        "2 problems with the data",
+        "of the prompts' tokens and 100% of the responses' tokens",
+        "unknown to the tokenizer of the built-in task's model",
+        "24 of 24 pairs (first: line 1) have a chosen and a rejected response that read the same "
+        "once cut to --max_completion_length 2 tokens",
+    )
+    flags = ("--data", data, "--pad_token", "</s>", "--recipe", "")
+    assert fails(
+        capsys,
+        preflight(rm.main, env, *flags, model=STORIES),
+        "raise --max_completion_length (their longest response has 16 tokens)",
+    )
+    assert preflight(rm.main, env, *flags, "--max_completion_length", 16, model=STORIES) == 0
+
+
+GSM8K = os.path.join(ROOT, "..", "shared", "assets", "gsm8k", "train.jsonl")
+
+
+@pytest.mark.skipif(not os.path.isfile(GSM8K) or not os.path.isdir(STORIES), reason="assets")
+def test_gsm8k_answers_with_the_exact_match_default_are_refused(env, capsys):
+    """GSM8K's answers ("... #### 72", several lines) can never be a completion's last line, so
+    --data's default reward (exact_match_reward) would score every completion 0: refused before
+    step 1, naming rewards:math_reward; with it the pre-flight passes and says the reward it
+    uses, as every run does among its first lines."""
+    with open(GSM8K) as f:
+        rows = [json.loads(next(f)) for _ in range(40)]
+    data = jsonl(env / "gsm8k.jsonl", [json.dumps(r) for r in rows])
+    flags = ("--data", data, "--prompt_field", "question", "--pad_token", "</s>")
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, *flags, model=STORIES),
+        'answers ("answer") of --data',
+        "span several lines, and exact_match_reward (--data's default reward)",
+        "every completion of those prompts would score 0",
+        "pass --reward_funcs rewards:math_reward",
+    )
+    math = ("--reward_funcs", "rewards:math_reward")
+    assert preflight(grpo.main, env, *flags, *math, model=STORIES) == 0
+    assert "reward: 1 x rewards.math_reward (--reward_funcs)\n" in capsys.readouterr().out
+    assert preflight(ppo.main, env) == 0  # the built-in task
+    out = capsys.readouterr().out
+    assert "reward: 0.25 x tasks.format_reward + 0.75 x tasks.correct_reward (the built-in " in out
