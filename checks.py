@@ -16,19 +16,27 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import sys
 
 import torch
 
 from batching import encode_prompts, stop_token_ids, template_kwargs
+from checkpoint import (
+    CLEARED_DIRS,
+    CLEARED_FILES,
+    checkpoint_bytes,
+    checkpoints_added,
+)
 from data import eval_count, held_out_warning, row_name, shuffled_rows, size_problem
+from estimate import lora_params, model_shape
 from exits import RunError
 from tasks import TASK_CHARS, exact_match_reward, reward_functions, score_completions, task_model
 from zero3_load import checkpoint_files, local_dir
 
 
 # ---- Pre-flight: inputs, before any model is loaded or any step is taken -------------------------
-def check_inputs(args, rank, reward_model="", env="", teacher=""):
+def check_inputs(args, rank, reward_model="", env="", teacher="", build_dir=None):
     """The inputs both loops share, checked in order: the DeepSpeed JSON's shape (what this project
     supports), data (each row's shape, conversations included), the reward functions (or, with a
     reward_model path, that model: one label, the policy's tokenizer; a teacher: the policy's
@@ -38,8 +46,9 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     prompt, tokens the tokenizer cannot read (unknown_tokens); warnings for a large held-out share,
     a few unknown tokens and long prompts; last the reward functions on real prompts (as
     conversations with an `env`, grpo.py's multi-turn rollouts). Reads args, writes nothing on
-    it. Returns {train_rows, eval_rows, model_path, config, tokenizer, stop_ids
-    (batching.stop_token_ids), template_kwargs (the parsed JSON), funcs, weights}."""
+    it. build_dir: where the built-in task's model is built (default run_dir). Returns
+    {train_rows, eval_rows, model_path, config, tokenizer, stop_ids (batching.stop_token_ids),
+    template_kwargs (the parsed JSON), funcs, weights}."""
     read_ds_json(args.ds_config)
     try:
         kwargs = template_kwargs(args.chat_template_kwargs)
@@ -64,7 +73,7 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     problems = [size_problem(args.data, rows, n_eval, train=args.max_steps > 0)]
     held = held_out_warning(n_eval, len(rows), train=args.max_steps > 0)  # printed below
     # no --model: a tiny one from scratch
-    model_path = task_model(args.model, args.run_dir, rank, args.seed)
+    model_path = task_model(args.model, build_dir or args.run_dir, rank, args.seed)
     problems.append(answer_problem(funcs, rows, args.data, args.answer_field))
     never, seldom = unmatchable_answers(funcs, rows, args.data, args.answer_field)
     problems.append(never)
@@ -405,6 +414,13 @@ def check_model_path(path, flag="--model", need_weights=True):
         ) from None
 
 
+def is_reward_model(config):
+    """Whether a model's config is a sequence classifier's (a reward model: rm.py goes on from it
+    rather than building one)."""
+    archs = getattr(config, "architectures", None) or []
+    return any(a.endswith("ForSequenceClassification") for a in archs)
+
+
 def check_sequence_classifier(config, path, flag="--reward_model"):
     """A reward model is a sequence classifier with one label (its score head gives the reward):
     the config's architectures end with ForSequenceClassification (if it names any); 1 label."""
@@ -724,3 +740,118 @@ def probe_rewards(score, rows, num_generations=2, hint=""):
             f"{e} (checked before training on {len(completions)} completions of "
             f"{len(rows)} prompts){hint}"
         ) from None
+
+
+# ---- Disk: what a run writes, against what its filesystem holds ---------------------------------
+LOG_BYTES = 16 * 2**20  # metrics, sources, curves, the built-in task's tiny model: beside the rest
+
+
+def dtype_bytes(dtype):
+    """Bytes per element of a torch dtype or its name (bf16 and fp16: 2; anything else: 4)."""
+    return 2 if str(dtype).removeprefix("torch.") in ("bfloat16", "float16") else 4
+
+
+def run_writes(args, config, stage, dtype, models, start_step=0, existing=0):
+    """[(what, bytes)]: what the run writes into --run_dir, estimated from the parameter counts
+    (estimate.model_shape, LoRA's estimate.lora_params) in the training dtype: its checkpoints at
+    their peak (checkpoint.checkpoint_bytes x checkpoints_added; `existing`: those a resumed run
+    has already), the final model (LoRA: the adapter, and the merged model with --save_merged),
+    and rm.py's reward model to start from when it is built from --model (init/, in --model's own
+    dtype). None when the config cannot be sized (not a Llama/Qwen-style decoder)."""
+    try:
+        s = model_shape(config)
+    except (ValueError, OSError):
+        return None
+    b = dtype_bytes(dtype)
+    body = s["N"] - (0 if s["tied"] else s["V"] * s["H"])  # the decoder without its lm_head
+    lora = lora_params(config, args.lora_r, args.lora_target_modules) if args.lora_r else 0
+
+    def engine(n, head=0):  # (trained, frozen): LoRA trains the adapters (and a new head)
+        return (lora + head, n) if lora else (n + head, 0)
+
+    if models.get("pairs"):  # rm.py: the reward model (a body and a one-label score head)
+        policy, engines = body + s["H"], [engine(body, s["H"])]
+    else:
+        policy, engines = s["N"], [engine(s["N"])]
+    if models.get("critic"):  # PPO: a body (the policy's, or the reward model's) and a value head
+        from_rm = models["critic"] == "reward_model"
+        c = (
+            model_shape(check_model_path(models["reward_model"], "--reward_model"))
+            if from_rm
+            else s
+        )
+        engines.append(engine(c["N"] - (0 if c["tied"] else c["V"] * c["H"]), c["H"]))
+    n = checkpoints_added(
+        start_step, args.max_steps, args.save_steps, args.save_last, args.save_total_limit, existing
+    )
+    out = []
+    if n:
+        one = checkpoint_bytes(engines, stage, b, lora)
+        out.append((f"{n} checkpoint{'s' * (n > 1)} of {size(one)}", n * one))
+    if args.save_model and args.max_steps:
+        if lora:
+            out.append(("the LoRA adapter (final/)", b * lora))
+        if args.save_merged or not lora:
+            out.append((f"the {'merged ' * bool(lora)}final model", b * policy))
+    init = os.path.join(args.run_dir, "init", "config.json")
+    if models.get("pairs") and args.model and not os.path.exists(init):
+        given = check_model_path(args.model)
+        if not is_reward_model(given):
+            stored = getattr(given, "dtype", None) or getattr(given, "torch_dtype", None)
+            out.append(("the reward model to start from (init/)", dtype_bytes(stored) * policy))
+    return out
+
+
+def size(n):
+    """Bytes as GiB, or MiB under one GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_disk(args, writes, free=None, say=print):
+    """Say what the run writes (run_writes) and refuse, before step 1, a run that its run_dir's
+    filesystem cannot hold: a RunError saying what to write less. free: the free bytes there
+    (default: shutil.disk_usage of run_dir's nearest existing directory, plus what --overwrite
+    True will delete first)."""
+    if writes is None:
+        return
+    need = sum(n for _, n in writes) + LOG_BYTES
+    where = os.path.abspath(args.run_dir)
+    if free is None:
+        top = where
+        while not os.path.exists(top):
+            top = os.path.dirname(top)
+        free = shutil.disk_usage(top).free + (cleared_bytes(args.run_dir) if args.overwrite else 0)
+    what = ", ".join(
+        f"{name} {size(n)}" if "checkpoint" not in name else name for name, n in writes
+    )
+    line = f"about {size(need - LOG_BYTES)} ({what or 'no model'}; {size(LOG_BYTES)} more for logs)"
+    if need <= free:
+        say(f"disk: the run writes {line} to {args.run_dir}; {size(free)} free there")
+        return
+    less = []
+    if any("checkpoint" in name for name, _ in writes):
+        if args.save_total_limit != 1:
+            less.append("--save_total_limit 1 keeps one checkpoint at a time")
+        if args.save_last:
+            less.append("--save_last False saves none at the end (the run cannot be extended)")
+        if args.save_steps:
+            less.append(f"a --save_steps above {args.save_steps} saves less often")
+    if args.save_model and args.max_steps:
+        less.append("--save_model False writes no final model")
+    if args.lora_r and args.save_merged and args.save_model:
+        less.append("--save_merged False keeps the adapter alone")
+    raise RunError(
+        f"--run_dir {args.run_dir}: the run would write {line}, and its filesystem has "
+        f"{size(free)} free: free space there, give another --run_dir, or write less: "
+        + "; ".join(less)
+    )
+
+
+def cleared_bytes(run_dir):
+    """Bytes of what checkpoint.clear_run (--overwrite True) removes from run_dir."""
+    paths = [os.path.join(run_dir, n) for n in CLEARED_DIRS + CLEARED_FILES]
+    files = [p for p in paths if os.path.isfile(p)]
+    files += [
+        os.path.join(r, f) for p in paths if os.path.isdir(p) for r, _, fs in os.walk(p) for f in fs
+    ]
+    return sum(os.path.getsize(f) for f in files if not os.path.islink(f))

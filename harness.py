@@ -18,7 +18,8 @@ lives here, never on `args`: `run.stop_ids`, `run.template_kwargs`, `run.funcs` 
 (the reward functions), and `run.knobs`, the memory knobs in effect (fit.Knobs: as given, or as
 --memory_budget_gb fitted them before the first step and moves them between steps).
 The pre-flight is one pass: every input checked, then the memory estimate and the fit, then the
-DeepSpeed config and the resume check. run.sh runs it in one process first (`--preflight True`).
+DeepSpeed config, the resume check and the disk (checks.check_disk). run.sh runs it in one process
+first (`--preflight True`), which writes nothing.
 """
 
 import contextlib
@@ -27,6 +28,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -49,9 +51,11 @@ from checkpoint import (
     load_checkpoint,
     run_config,
     save_checkpoint,
+    step_dirs,
 )
 from checks import (
     check_attn_implementation,
+    check_disk,
     check_ds_config,
     check_global_batch,
     check_inputs,
@@ -59,6 +63,7 @@ from checks import (
     check_vllm,
     read_ds_json,
     reward_line,
+    run_writes,
     training_dtype,
 )
 from exits import RunError
@@ -284,18 +289,23 @@ class Inputs:
     knobs: object  # fit.Knobs: the memory knobs in effect
 
 
-def preflight(args, rank, world, models, say=print):
+def preflight(args, rank, world, models, say=print, build_dir=None):
     """Every input checked before a model loads or a step runs, each failure a RunError saying what
     to change, in one pass: the inputs (run_dir, vLLM, data, models, tokenizer, rewards, whole
     groups in the JSON's batch), then the memory estimate and the fit (--memory_budget_gb,
-    fit.py), then the DeepSpeed JSON with the fitted knobs and the resume. `models`: what the
-    loop builds beside the policy (fit.py)."""
+    fit.py), then the DeepSpeed JSON with the fitted knobs, the resume, and what the run writes
+    against its disk. `models`: what the loop builds beside the policy (fit.py). build_dir: where
+    the built-in task's model is built (default run_dir; before_torchrun: a scratch directory)."""
     # before anything is written there
     check_new_run(args.run_dir, args.resume, args.overwrite, evaluate=not args.max_steps)
     check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
     beside = [models.get(k, "") for k in ("reward_model", "env", "teacher")]
     # rm.py trains on preference pairs (pairs.py), the loops on prompts
-    found = check_pairs(args, rank) if models.get("pairs") else check_inputs(args, rank, *beside)
+    found = (
+        check_pairs(args, rank, build_dir)
+        if models.get("pairs")
+        else check_inputs(args, rank, *beside, build_dir=build_dir)
+    )
     if line := reward_line(args, found["funcs"], found["weights"], models.get("reward_model")):
         say(line)  # among the run's first lines: what it is trained to do
     dtype = training_dtype(args.dtype)
@@ -320,15 +330,20 @@ def preflight(args, rank, world, models, say=print):
         paths = [("--model", found["model_path"]), ("--reward_model", models.get("reward_model"))]
         paths.append(("--teacher_model", models.get("teacher")))
         check_partitioned_loading([(flag, path) for flag, path in paths if path])
+    saved = existing = 0  # the step a resumed run starts from, the checkpoints it has
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
         config = checkpoint_config(args, world, found["eval_rows"])
         path = check_resume(os.path.join(args.run_dir, "checkpoints"), config, MEMORY_KNOBS)
         saved = int(os.path.basename(path).removeprefix("step"))
+        existing = len(step_dirs(os.path.dirname(path)))
         if args.max_steps < saved:  # equal: a run stopped after its last save ends again
             raise RunError(
                 f"--resume: {path} is at step {saved}, past --max_steps {args.max_steps}: pass "
                 f"--max_steps {saved} or more (more extends the run)"
             )
+    # what the checkpoints and the final model take, against the free space, before step 1
+    writes = run_writes(args, found["config"], stage, dtype, models, saved, existing)
+    check_disk(args, writes, say=say)
     return Inputs(**found, dtype=dtype, ds_config=ds, knobs=knobs)
 
 
@@ -366,9 +381,12 @@ def before_torchrun(args, models):
         return estimate_run_memory(args, models)
     args.run_dir = args.run_dir or default_run_dir(args)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    with nothing_left_if_refused(args.run_dir):
-        inputs = preflight(args, rank=0, world=world, models=models)
-    if args.use_vllm and args.vllm_mode == "server":  # what run.sh starts the server with
+    server = args.use_vllm and args.vllm_mode == "server"
+    # nothing written: the built-in task's model built aside and removed, unless a vLLM server
+    # (run.sh's VLLM_DEVICES) is to start from it, with the settings it is started with
+    with nothing_left_if_refused(args.run_dir), tempfile.TemporaryDirectory() as scratch:
+        inputs = preflight(args, 0, world, models, build_dir=None if server else scratch)
+    if server:
         write_server_settings(args, inputs.config, inputs.dtype)
     print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
 

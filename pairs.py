@@ -30,6 +30,7 @@ from checks import (
     check_data,
     check_model_path,
     check_templates,
+    is_reward_model,
     load_tokenizer,
     prompt_text,
     unknown_tokens,
@@ -225,16 +226,19 @@ def tied_pairs(tokenizer, rows, args):
     return None, f"warning: {what} (they add nothing to the loss); {fix}, or drop them"
 
 
-def reward_model_start(args, rank):
+def reward_model_start(args, rank, build_dir=None):
     """The reward model training starts from: --model itself when it is one (a sequence
     classifier), else one built by rank 0 in <run_dir>/init from --model (its body and tokenizer,
     a new score head: reward_model.py) or, without --model, the built-in task's tiny model's shape
-    and vocabulary. Call on every rank (it waits)."""
+    and vocabulary. build_dir: where to build it instead of run_dir (the pre-flight alone), which
+    builds none from --model (a copy of the model) and returns None. Call on every rank (it
+    waits)."""
     if args.model:
-        archs = getattr(check_model_path(args.model), "architectures", None) or []
-        if any(a.endswith("ForSequenceClassification") for a in archs):
+        if is_reward_model(check_model_path(args.model)):
             return args.model
-    path = os.path.join(args.run_dir, "init")
+        if build_dir:
+            return None
+    path = os.path.join(build_dir or args.run_dir, "init")
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
         tmp = f"{path}.tmp-{os.getpid()}"  # renamed into place whole, as tasks.task_model does
         build_reward_model(tmp, args.model, args.seed, args.pad_token)
@@ -244,11 +248,12 @@ def reward_model_start(args, rank):
     return path
 
 
-def check_pairs(args, rank):
+def check_pairs(args, rank, build_dir=None):
     """rm.py's inputs, checked before any step (harness.preflight calls it for a loop whose models
     say "pairs"): the pairs (every problem in one message, before anything is written), then the
     reward model to start from, its tokenizer (eos, pad) and config, the prompts through the chat
-    template. Returns harness.Inputs' fields: train_rows and eval_rows are pairs."""
+    template. build_dir: as reward_model_start's. Returns harness.Inputs' fields: train_rows and
+    eval_rows are pairs."""
     fields = (args.prompt_field, args.chosen_field, args.rejected_field, args.margin_field)
     try:
         kwargs = template_kwargs(args.chat_template_kwargs)
@@ -266,9 +271,14 @@ def check_pairs(args, rank):
     check_data(problems)
     if args.model:  # the policy's tokenizer before anything is built from it
         load_tokenizer(args.model, args.pad_token)
-    model_path = reward_model_start(args, rank)
-    config = check_model_path(model_path)
-    tokenizer = load_tokenizer(model_path, args.pad_token)
+    model_path = reward_model_start(args, rank, build_dir)
+    if model_path is None:  # to be built from --model: its config and tokenizer, as the build has
+        model_path, config = args.model, check_model_path(args.model)
+        tokenizer = load_tokenizer(model_path, args.pad_token)
+        config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
+    else:
+        config = check_model_path(model_path)
+        tokenizer = load_tokenizer(model_path, args.pad_token)
     if config.pad_token_id != tokenizer.pad_token_id:
         raise RunError(
             f"--model {model_path} reads its score before pad id {config.pad_token_id}, and the "

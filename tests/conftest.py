@@ -280,6 +280,34 @@ def assert_adapter_is_the_merged_model(run, checkpoint_adapter):
         assert not torch.allclose(logits, base_logits, atol=1e-5), path  # the adapters moved
 
 
+def assert_writes_as_estimated(run, loop, argv, step):
+    """checks.run_writes (the pre-flight's disk check) from the run's real Args against what the
+    run wrote: one checkpoint (checkpoints/step<step>, every rank's files) within 5 % and 0.5 MiB
+    (the files of fixed size the estimate leaves to the 16 MiB for logs: zero_to_fp32.py, the
+    config, each rank's metadata of each engine), the final model (or LoRA's adapter and merged
+    model) within 2 %. ZeRO-3, fp32, the run's model/."""
+    import torch
+
+    from checks import run_writes
+
+    args = loop.parse_args(argv)
+    writes = run_writes(args, str(run / "model"), 3, torch.float32, loop.memory_models(args))
+
+    def du(path):
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+    name, total = writes[0]
+    count = int(name.split()[0])
+    on_disk = du(run / "checkpoints" / f"step{step}")
+    assert total / count == pytest.approx(on_disk, rel=0.05, abs=2**19), (total / count, on_disk)
+    files = {"the final model": "final", "the merged final model": "final_merged"}
+    files["the LoRA adapter (final/)"] = "final/adapter_model.safetensors"
+    for what, n in writes[1:]:
+        path = run / files[what]
+        weights = path if path.is_file() else path / "model.safetensors"
+        assert n == pytest.approx(weights.stat().st_size, rel=0.02), what
+
+
 def train_rows(run_dir):
     """The per-step training rows of a run's metrics.jsonl."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

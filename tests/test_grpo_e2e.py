@@ -15,6 +15,7 @@ import json
 import pytest
 
 import conftest
+import grpo
 from conftest import SMALL, finish, free_port, train_rows
 
 
@@ -46,6 +47,11 @@ def test_zero3_hf_outputs_and_checkpoint(tmp_path):
     assert {"mem/rollout", "mem/optimizer_step"} <= set(
         full[0]
     ) and "peak memory (peak RSS" in out  # ledger
+
+    # the pre-flight's disk estimate against the files: a checkpoint, the final model
+    conftest.assert_writes_as_estimated(
+        a, grpo, [*SMALL, "--max_steps", "3", "--save_steps", "2"], 2
+    )
 
     # --log_completions: rank 0's 2 prompts x 4 completions each step, their rewards (the total
     # the task's weighted sum), advantages (each group's sum 0), printed and in wandb's table

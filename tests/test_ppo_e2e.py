@@ -15,6 +15,7 @@ import signal
 import pytest
 
 import conftest
+import ppo
 from conftest import train_rows
 from tasks import TASK_CHARS
 from tiny_models import build_tiny
@@ -201,6 +202,9 @@ def test_zero3_lora(tmp_path):
     # adapters start at zero: actor == reference
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert rows[1]["kl"] != 0.0  # the reference (adapters off) stays put while the adapters move
+    # the pre-flight's disk estimate: actor, critic and adapter per checkpoint; adapter, merged
+    argv = [*SMALL, "--max_steps", "2", "--lora_r", "8", "--learning_rate", "1e-2"]
+    conftest.assert_writes_as_estimated(tmp_path / "r", ppo, argv, 2)
     # the actor's adapter in final/ and in the last checkpoint, its merged model beside it
     conftest.assert_adapter_is_the_merged_model(
         tmp_path / "r", tmp_path / "r" / "checkpoints" / "step2" / "adapter"
