@@ -285,7 +285,7 @@ def assert_writes_as_estimated(run, loop, argv, step):
     run wrote: one checkpoint (checkpoints/step<step>, every rank's files) within 5 % and 0.5 MiB
     (the files of fixed size the estimate leaves to the 16 MiB for logs: zero_to_fp32.py, the
     config, each rank's metadata of each engine), the final model (or LoRA's adapter and merged
-    model) within 2 %. ZeRO-3, fp32, the run's model/."""
+    model) within 2 % and 64 KiB (a safetensors header). ZeRO-3, fp32, the run's model/."""
     import torch
 
     from checks import run_writes
@@ -305,7 +305,7 @@ def assert_writes_as_estimated(run, loop, argv, step):
     for what, n in writes[1:]:
         path = run / files[what]
         weights = path if path.is_file() else path / "model.safetensors"
-        assert n == pytest.approx(weights.stat().st_size, rel=0.02), what
+        assert n == pytest.approx(weights.stat().st_size, rel=0.02, abs=2**16), what  # + header
 
 
 def train_rows(run_dir):

@@ -122,6 +122,13 @@ def test_model_path_missing_or_not_a_model(env, capsys):
     )
     os.makedirs(env / "empty")
     assert fails(capsys, preflight(grpo.main, env, model=str(env / "empty")), "has no config.json")
+    (env / "empty" / "adapter_config.json").write_text("{}")  # a LoRA run's final/
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, model=str(env / "empty")),
+        "is a LoRA adapter (peft: PeftModel.from_pretrained(base, path)",
+        "<run_dir>/final_merged",
+    )
 
 
 def test_tokenizer_without_pad_token(env, capsys, tiny_model):
@@ -1212,3 +1219,12 @@ def test_preflight_on_a_full_filesystem_is_refused_and_writes_nothing(env, capsy
         assert os.listdir(mount) == []
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("loop", [grpo, ppo], ids=["grpo", "ppo"])
+def test_completions_printed_only_where_logged(loop):
+    """--num_completions_to_print prints what --log_completions True logs: alone, it is refused."""
+    with pytest.raises(RunError, match="--num_completions_to_print prints what --log_completions"):
+        loop.parse_args(["--num_completions_to_print", "2"])
+    args = loop.parse_args(["--log_completions", "True", "--num_completions_to_print", "2"])
+    assert args.log_completions and args.num_completions_to_print == 2
