@@ -4,10 +4,12 @@ prints it and ends the process with the code).
 
     found = check_inputs(args, rank, reward_model, env, teacher)  # harness.preflight, with
     check_vllm(...), check_global_batch(...), check_ds_config(...), ...  # the rest of its pass
+    check_disk(args, run_writes(args, config, stage, dtype, models))   # last: the disk
 
 run.sh runs the pre-flight in one process before any rank begins (`--preflight True`), so bad input
 gets exit 2 from run.sh and no torchrun summary. Imports exits.py (RunError), tasks.py, data.py and
-batching.py (check_inputs: the inputs both loops share), zero3_load.py (a checkpoint's files).
+batching.py (check_inputs: the inputs both loops share), zero3_load.py (a checkpoint's files),
+checkpoint.py and estimate.py (what a run writes: a checkpoint's size, parameter counts).
 """
 
 import collections
