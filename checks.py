@@ -833,7 +833,7 @@ def check_disk(args, writes, free=None, say=print):
     less = []
     if any("checkpoint" in name for name, _ in writes):
         if args.save_total_limit != 1:
-            less.append("--save_total_limit 1 keeps one checkpoint at a time")
+            less.append("--save_total_limit 1 keeps the newest checkpoint only")
         if args.save_last:
             less.append("--save_last False saves none at the end (the run cannot be extended)")
         if args.save_steps:
@@ -842,10 +842,10 @@ def check_disk(args, writes, free=None, say=print):
         less.append("--save_model False writes no final model")
     if args.lora_r and args.save_merged and args.save_model:
         less.append("--save_merged False keeps the adapter alone")
+    less = f", or write less: {'; '.join(less)}" if less else ""
     raise RunError(
         f"--run_dir {args.run_dir}: the run would write {line}, and its filesystem has "
-        f"{size(free)} free: free space there, give another --run_dir, or write less: "
-        + "; ".join(less)
+        f"{size(free)} free: free space there or give another --run_dir{less}"
     )
 
 

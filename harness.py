@@ -634,18 +634,9 @@ class Run:
         No collective: call it on every rank or on rank 0 alone."""
         if not self.args.log_completions or self.rank != 0:
             return
-        G = len(gens.completion_ids) // len(prompt_ids)
         prompts = self.tokenizer.batch_decode(prompt_ids)
         texts = self.tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
-        rows = []
-        for i, text in enumerate(texts):
-            row = {"step": self.step, "prompt": prompts[i // G], "completion": text}
-            row["reward"] = float(rewards[i])
-            row.update({f"rewards/{k}": float(v[i]) for k, v in per_func.items()})
-            if advantages is not None:
-                row["advantage"] = float(advantages[i])
-            rows.append(row)
-        self.log.completions(rows)
+        rows = self.log.completions(self.step, prompts, texts, rewards, per_func, advantages)
         for r in rows[: self.args.num_completions_to_print]:
             tqdm.write(f"  {r['prompt']!r} -> {r['completion']!r}: reward {r['reward']:.3f}")
 

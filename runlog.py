@@ -70,12 +70,22 @@ class RunLog:
         if self.wandb:
             self.wandb.log(row, step=row["step"])
 
-    def completions(self, rows):
-        """Rows of one step's samples ({"step", "prompt", "completion", "reward", ...}, the same
-        keys in each), appended to completions.jsonl; with wandb, its table "completions" at that
-        step."""
+    def completions(self, step, prompts, completions, rewards, per_func, advantages=None):
+        """One step's samples appended to completions.jsonl, a row per completion (prompt-major,
+        len(completions) / len(prompts) of each prompt): {"step", "prompt", "completion",
+        "reward", "rewards/<name>" for each of per_func, "advantage" when given}; with wandb, its
+        table "completions" at that step. Returns the rows."""
+        G = len(completions) // max(len(prompts), 1)
+        rows = []
+        for i, text in enumerate(completions):
+            row = {"step": step, "prompt": prompts[i // G], "completion": text}
+            row["reward"] = float(rewards[i])
+            row.update({f"rewards/{k}": float(v[i]) for k, v in per_func.items()})
+            if advantages is not None:
+                row["advantage"] = float(advantages[i])
+            rows.append(row)
         if self.file is None or not rows:
-            return
+            return rows
         if self.completions_file is None:
             self.completions_file = open(os.path.join(self.run_dir, COMPLETIONS), "a")
         self.completions_file.writelines(json.dumps(r) + "\n" for r in rows)
@@ -83,7 +93,8 @@ class RunLog:
         if self.wandb:
             columns = list(rows[0])
             table = self.wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
-            self.wandb.log({"completions": table}, step=rows[0]["step"])
+            self.wandb.log({"completions": table}, step=step)
+        return rows
 
     def close(self, panels):
         """Close metrics.jsonl and plot it: one subplot per panel, a panel (y label, [(key, label,

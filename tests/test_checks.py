@@ -1170,7 +1170,9 @@ def test_a_run_the_disk_cannot_hold_is_refused_before_step_1(env, capsys, tiny_m
         check_disk(args, list(writes.items()), free=10 * 2**30)
     msg = str(e.value)
     assert "the run would write about 15.5 GiB (10 checkpoints of 1.5 GiB" in msg, msg
-    assert "its filesystem has 10.0 GiB free" in msg
+    assert (
+        "its filesystem has 10.0 GiB free: free space there or give another --run_dir, or " in msg
+    )
     for fix in (
         "--save_total_limit 1",
         "--save_last False",
