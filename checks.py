@@ -4,10 +4,12 @@ prints it and ends the process with the code).
 
     found = check_inputs(args, rank, reward_model, env, teacher)  # harness.preflight, with
     check_vllm(...), check_global_batch(...), check_ds_config(...), ...  # the rest of its pass
+    check_disk(args, run_writes(args, config, stage, dtype, models))   # last: the disk
 
 run.sh runs the pre-flight in one process before any rank begins (`--preflight True`), so bad input
 gets exit 2 from run.sh and no torchrun summary. Imports exits.py (RunError), tasks.py, data.py and
-batching.py (check_inputs: the inputs both loops share), zero3_load.py (a checkpoint's files).
+batching.py (check_inputs: the inputs both loops share), zero3_load.py (a checkpoint's files),
+checkpoint.py and estimate.py (what a run writes: a checkpoint's size, parameter counts).
 """
 
 import collections
@@ -15,19 +17,28 @@ import importlib
 import importlib.util
 import json
 import os
+import re
+import shutil
 import sys
 
 import torch
 
 from batching import encode_prompts, stop_token_ids, template_kwargs
+from checkpoint import (
+    CLEARED_DIRS,
+    CLEARED_FILES,
+    checkpoint_bytes,
+    checkpoints_added,
+)
 from data import eval_count, held_out_warning, row_name, shuffled_rows, size_problem
+from estimate import lora_params, model_shape
 from exits import RunError
-from tasks import TASK_CHARS, reward_functions, score_completions, task_model
+from tasks import TASK_CHARS, exact_match_reward, reward_functions, score_completions, task_model
 from zero3_load import checkpoint_files, local_dir
 
 
 # ---- Pre-flight: inputs, before any model is loaded or any step is taken -------------------------
-def check_inputs(args, rank, reward_model="", env="", teacher=""):
+def check_inputs(args, rank, reward_model="", env="", teacher="", build_dir=None):
     """The inputs both loops share, checked in order: the DeepSpeed JSON's shape (what this project
     supports), data (each row's shape, conversations included), the reward functions (or, with a
     reward_model path, that model: one label, the policy's tokenizer; a teacher: the policy's
@@ -37,8 +48,9 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     prompt, tokens the tokenizer cannot read (unknown_tokens); warnings for a large held-out share,
     a few unknown tokens and long prompts; last the reward functions on real prompts (as
     conversations with an `env`, grpo.py's multi-turn rollouts). Reads args, writes nothing on
-    it. Returns {train_rows, eval_rows, model_path, config, tokenizer, stop_ids
-    (batching.stop_token_ids), template_kwargs (the parsed JSON), funcs, weights}."""
+    it. build_dir: where the built-in task's model is built (default run_dir). Returns
+    {train_rows, eval_rows, model_path, config, tokenizer, stop_ids (batching.stop_token_ids),
+    template_kwargs (the parsed JSON), funcs, weights}."""
     read_ds_json(args.ds_config)
     try:
         kwargs = template_kwargs(args.chat_template_kwargs)
@@ -63,8 +75,10 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     problems = [size_problem(args.data, rows, n_eval, train=args.max_steps > 0)]
     held = held_out_warning(n_eval, len(rows), train=args.max_steps > 0)  # printed below
     # no --model: a tiny one from scratch
-    model_path = task_model(args.model, args.run_dir, rank, args.seed)
+    model_path = task_model(args.model, build_dir or args.run_dir, rank, args.seed)
     problems.append(answer_problem(funcs, rows, args.data, args.answer_field))
+    never, seldom = unmatchable_answers(funcs, rows, args.data, args.answer_field)
+    problems.append(never)
     config = check_model_path(model_path)
     tokenizer = load_tokenizer(model_path, args.pad_token)
     for flag, path in (("--reward_model", reward_model), ("--teacher_model", teacher)):
@@ -82,7 +96,7 @@ def check_inputs(args, rank, reward_model="", env="", teacher=""):
     unknown, unread = unknown_tokens(tokenizer, rows, args, model_path)
     problems.append(unknown)
     check_data(problems)
-    for warning in (held, unread, long_prompt_warning(lengths, args.max_prompt_length)):
+    for warning in (held, unread, seldom, long_prompt_warning(lengths, args.max_prompt_length)):
         if warning and rank == 0:
             print(warning, file=sys.stderr)
     if funcs:
@@ -223,6 +237,59 @@ def answer_problem(funcs, rows, data, field="answer"):
     return None
 
 
+def unmatchable_answers(funcs, rows, data, field="answer"):
+    """(problem, warning), each None or a message: with exact_match_reward (--data's default
+    reward) among the rewards, answers that span several lines can never equal a completion's
+    last line, so every completion of their prompts scores 0. Over UNKNOWN_SHARE of the sampled
+    rows: a problem naming the reward to pass (GSM8K's "... #### 42": rewards:math_reward);
+    some: a warning."""
+    if exact_match_reward not in funcs:
+        return None, None
+    sample = rows[:UNKNOWN_SAMPLE]
+    multi = [r for r in sample if isinstance(r.get("answer"), str) and "\n" in r["answer"].strip()]
+    if not multi:
+        return None, None
+    first = min(multi, key=lambda r: r.get("index", 0))
+    what = (
+        f'{len(multi)} of {len(sample)} answers ("{field}") of --data {data} (first: '
+        f"{row_name(data, first.get('index', 0))}) span several lines, and exact_match_reward "
+        "(--data's default reward) scores 1 only when a completion's last line equals the whole "
+        "answer: every completion of those prompts would score 0"
+    )
+    gsm8k = any(re.search(r"^####\s*\S", r["answer"], re.M) for r in multi)
+    fix = (
+        'pass --reward_funcs rewards:math_reward, which compares the answer after "####" (GSM8K\'s '
+        "form) with the completion's as numbers"
+        if gsm8k
+        else "pass --reward_funcs that read these answers, or give one-line answers"
+    )
+    if len(multi) > UNKNOWN_SHARE * len(sample):
+        return f"{what}; {fix}", None
+    return None, f"warning: {what}; {fix}"
+
+
+def reward_line(args, funcs, weights, reward_model=""):
+    """The run's reward in words, among its first lines: the functions with their weights and
+    where they come from, or the reward model; None for a loop without either (rm.py)."""
+    if reward_model:
+        return f"reward: the score of --reward_model {reward_model}"
+    if not funcs:
+        return None
+    terms = " + ".join(
+        f"{w:g} x {getattr(f, '__module__', '?')}.{getattr(f, '__name__', repr(f))}"
+        for f, w in zip(funcs, weights)
+    )
+    source = (
+        "--reward_funcs"
+        if args.reward_funcs
+        else "--data's default: 1 when the completion's last line is the answer; --reward_funcs "
+        "for others"
+        if args.data
+        else "the built-in task's"
+    )
+    return f"reward: {terms} ({source})"
+
+
 def check_data(problems):
     """Every problem found in the rows (None: none) in one RunError, numbered when there are
     several, so that one fix-and-retry mends them all."""
@@ -238,22 +305,29 @@ UNKNOWN_SHARE = 0.25  # prompts or answers with more unknown tokens than this: r
 UNKNOWN_SAMPLE = 200  # rows read (the first of the shuffled rows: a random sample)
 
 
-def unknown_tokens(tokenizer, rows, args, model_path):
-    """(problem, warning), each None or a message: the share of the sampled rows' prompt tokens
-    and answer tokens (text answers and numbers) that the tokenizer maps to its unknown token. Over
-    UNKNOWN_SHARE in either, the run would learn from <unk>: a problem saying which model reads
-    what; some, a warning naming the unknown pieces. A tokenizer without an unknown token (byte-
-    level BPE: GPT-2, Qwen, Llama 3) reads any text."""
+def row_texts(row):
+    """{part: texts} of a prompt row that the tokenizer reads: its prompt, its answer (text answers
+    and numbers)."""
+    answer = row["answer"]
+    answers = [str(answer)] if isinstance(answer, (str, int, float)) else []
+    return {"prompts": [prompt_text(row["prompt"])], "answers": answers}
+
+
+def unknown_tokens(tokenizer, rows, args, model_path, texts_of=row_texts):
+    """(problem, warning), each None or a message: the share of the sampled rows' tokens in each
+    part (texts_of(row): {part: texts}; prompt rows: prompts and answers, pairs.py's: prompts and
+    responses) that the tokenizer maps to its unknown token. Over UNKNOWN_SHARE in any, the run
+    would learn from <unk>: a problem saying which model reads what; some, a warning naming the
+    unknown pieces. A tokenizer without an unknown token (byte-level BPE: GPT-2, Qwen, Llama 3)
+    reads any text."""
     unk = tokenizer.unk_token_id
     if unk is None:
         return None, None
     sample = sorted(rows[:UNKNOWN_SAMPLE], key=lambda r: r.get("index", 0))  # source order
-    texts = {
-        "prompts": [(r, prompt_text(r["prompt"])) for r in sample],
-        "answers": [
-            (r, str(r["answer"])) for r in sample if isinstance(r["answer"], (str, int, float))
-        ],
-    }
+    texts = {}
+    for r in sample:
+        for part, values in texts_of(r).items():
+            texts.setdefault(part, []).extend((r, t) for t in values)
     found, pieces, example = {}, collections.Counter(), {}
     for part, pairs in texts.items():
         total = unknown = 0
@@ -313,6 +387,14 @@ def check_model_path(path, flag="--model", need_weights=True):
     already in the local cache; returns its config."""
     from transformers import AutoConfig
 
+    if os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(
+        os.path.join(path, "config.json")
+    ):
+        raise RunError(
+            f"{flag} {path} is a LoRA adapter (peft: PeftModel.from_pretrained(base, path) loads "
+            f"it onto its base model), not a model: give the merged model a LoRA run writes "
+            f"beside it (<run_dir>/final_merged, --save_merged True)"
+        )
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise RunError(
             f"{flag} {path}: the directory has no config.json; point it at a saved transformers "
@@ -334,6 +416,13 @@ def check_model_path(path, flag="--model", need_weights=True):
             "must "
             f"be downloaded beforehand on an offline machine (HF_HUB_OFFLINE=1)"
         ) from None
+
+
+def is_reward_model(config):
+    """Whether a model's config is a sequence classifier's (a reward model: rm.py goes on from it
+    rather than building one)."""
+    archs = getattr(config, "architectures", None) or []
+    return any(a.endswith("ForSequenceClassification") for a in archs)
 
 
 def check_sequence_classifier(config, path, flag="--reward_model"):
@@ -655,3 +744,118 @@ def probe_rewards(score, rows, num_generations=2, hint=""):
             f"{e} (checked before training on {len(completions)} completions of "
             f"{len(rows)} prompts){hint}"
         ) from None
+
+
+# ---- Disk: what a run writes, against what its filesystem holds ---------------------------------
+LOG_BYTES = 16 * 2**20  # metrics, sources, curves, the built-in task's tiny model: beside the rest
+
+
+def dtype_bytes(dtype):
+    """Bytes per element of a torch dtype or its name (bf16 and fp16: 2; anything else: 4)."""
+    return 2 if str(dtype).removeprefix("torch.") in ("bfloat16", "float16") else 4
+
+
+def run_writes(args, config, stage, dtype, models, start_step=0, existing=0):
+    """[(what, bytes)]: what the run writes into --run_dir, estimated from the parameter counts
+    (estimate.model_shape, LoRA's estimate.lora_params) in the training dtype: its checkpoints at
+    their peak (checkpoint.checkpoint_bytes x checkpoints_added; `existing`: those a resumed run
+    has already), the final model (LoRA: the adapter, and the merged model with --save_merged),
+    and rm.py's reward model to start from when it is built from --model (init/, in --model's own
+    dtype). None when the config cannot be sized (not a Llama/Qwen-style decoder)."""
+    try:
+        s = model_shape(config)
+    except (ValueError, OSError):
+        return None
+    b = dtype_bytes(dtype)
+    body = s["N"] - (0 if s["tied"] else s["V"] * s["H"])  # the decoder without its lm_head
+    lora = lora_params(config, args.lora_r, args.lora_target_modules) if args.lora_r else 0
+
+    def engine(n, head=0):  # (trained, frozen): LoRA trains the adapters (and a new head)
+        return (lora + head, n) if lora else (n + head, 0)
+
+    if models.get("pairs"):  # rm.py: the reward model (a body and a one-label score head)
+        policy, engines = body + s["H"], [engine(body, s["H"])]
+    else:
+        policy, engines = s["N"], [engine(s["N"])]
+    if models.get("critic"):  # PPO: a body (the policy's, or the reward model's) and a value head
+        from_rm = models["critic"] == "reward_model"
+        c = (
+            model_shape(check_model_path(models["reward_model"], "--reward_model"))
+            if from_rm
+            else s
+        )
+        engines.append(engine(c["N"] - (0 if c["tied"] else c["V"] * c["H"]), c["H"]))
+    n = checkpoints_added(
+        start_step, args.max_steps, args.save_steps, args.save_last, args.save_total_limit, existing
+    )
+    out = []
+    if n:
+        one = checkpoint_bytes(engines, stage, b, lora)
+        out.append((f"{n} checkpoint{'s' * (n > 1)} of {size(one)}", n * one))
+    if args.save_model and args.max_steps:
+        if lora:
+            out.append(("the LoRA adapter (final/)", b * lora))
+        if args.save_merged or not lora:
+            out.append((f"the {'merged ' * bool(lora)}final model", b * policy))
+    init = os.path.join(args.run_dir, "init", "config.json")
+    if models.get("pairs") and args.model and not os.path.exists(init):
+        given = check_model_path(args.model)
+        if not is_reward_model(given):
+            stored = getattr(given, "dtype", None) or getattr(given, "torch_dtype", None)
+            out.append(("the reward model to start from (init/)", dtype_bytes(stored) * policy))
+    return out
+
+
+def size(n):
+    """Bytes as GiB, or MiB under one GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_disk(args, writes, free=None, say=print):
+    """Say what the run writes (run_writes) and refuse, before step 1, a run that its run_dir's
+    filesystem cannot hold: a RunError saying what to write less. free: the free bytes there
+    (default: shutil.disk_usage of run_dir's nearest existing directory, plus what --overwrite
+    True will delete first)."""
+    if writes is None:
+        return
+    need = sum(n for _, n in writes) + LOG_BYTES
+    where = os.path.abspath(args.run_dir)
+    if free is None:
+        top = where
+        while not os.path.exists(top):
+            top = os.path.dirname(top)
+        free = shutil.disk_usage(top).free + (cleared_bytes(args.run_dir) if args.overwrite else 0)
+    what = ", ".join(
+        f"{name} {size(n)}" if "checkpoint" not in name else name for name, n in writes
+    )
+    line = f"about {size(need - LOG_BYTES)} ({what or 'no model'}; {size(LOG_BYTES)} more for logs)"
+    if need <= free:
+        say(f"disk: the run writes {line} to {args.run_dir}; {size(free)} free there")
+        return
+    less = []
+    if any("checkpoint" in name for name, _ in writes):
+        if args.save_total_limit != 1:
+            less.append("--save_total_limit 1 keeps the newest checkpoint only")
+        if args.save_last:
+            less.append("--save_last False saves none at the end (the run cannot be extended)")
+        if args.save_steps:
+            less.append(f"a --save_steps above {args.save_steps} saves less often")
+    if args.save_model and args.max_steps:
+        less.append("--save_model False writes no final model")
+    if args.lora_r and args.save_merged and args.save_model:
+        less.append("--save_merged False keeps the adapter alone")
+    less = f", or write less: {'; '.join(less)}" if less else ""
+    raise RunError(
+        f"--run_dir {args.run_dir}: the run would write {line}, and its filesystem has "
+        f"{size(free)} free: free space there or give another --run_dir{less}"
+    )
+
+
+def cleared_bytes(run_dir):
+    """Bytes of what checkpoint.clear_run (--overwrite True) removes from run_dir."""
+    paths = [os.path.join(run_dir, n) for n in CLEARED_DIRS + CLEARED_FILES]
+    files = [p for p in paths if os.path.isfile(p)]
+    files += [
+        os.path.join(r, f) for p in paths if os.path.isdir(p) for r, _, fs in os.walk(p) for f in fs
+    ]
+    return sum(os.path.getsize(f) for f in files if not os.path.islink(f))

@@ -538,7 +538,12 @@ def main(argv=None):
                 vllm.sync_weights(engine)
             prefetch.step_done()
 
-        # 4. the step's row, the held-out score when due, a checkpoint when due
+        # 4. the step's row (and samples), the held-out score when due, a checkpoint when due
+        adv = batch["advantages"]  # the first round's rows, one advantage each, unless replaced
+        adv = adv if adv.dim() == 1 and not args.dynamic_sampling else None
+        run.log_completions(
+            first["prompt_ids"], first["gens"], first["rewards"], first["per_func"], adv
+        )
         row = step_row(step + 1, first, out, engine)
         row.update(extra, rollout_s=t_rollout, update_s=t_update)
         run.end_step(

@@ -18,7 +18,8 @@ lives here, never on `args`: `run.stop_ids`, `run.template_kwargs`, `run.funcs` 
 (the reward functions), and `run.knobs`, the memory knobs in effect (fit.Knobs: as given, or as
 --memory_budget_gb fitted them before the first step and moves them between steps).
 The pre-flight is one pass: every input checked, then the memory estimate and the fit, then the
-DeepSpeed config and the resume check. run.sh runs it in one process first (`--preflight True`).
+DeepSpeed config, the resume check and the disk (checks.check_disk). run.sh runs it in one process
+first (`--preflight True`), which writes nothing.
 """
 
 import contextlib
@@ -27,6 +28,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -50,15 +52,19 @@ from checkpoint import (
     load_checkpoint,
     run_config,
     save_checkpoint,
+    step_dirs,
 )
 from checks import (
     check_attn_implementation,
+    check_disk,
     check_ds_config,
     check_global_batch,
     check_inputs,
     check_partitioned_loading,
     check_vllm,
     read_ds_json,
+    reward_line,
+    run_writes,
     training_dtype,
 )
 from exits import RunError
@@ -78,6 +84,7 @@ from zero3_utils import (
     frozen_config,
     frozen_engine,
     load_ds_config,
+    save_adapter,
     save_hf,
     set_data_group,
 )
@@ -170,6 +177,9 @@ class RunArgs:
     lora_r: int = arg(0, "> 0: train LoRA adapters of this rank only (peft)", ">= 0")
     lora_alpha: float = arg(32.0, "LoRA scaling numerator", "> 0")
     lora_target_modules: str = arg("all-linear", "peft target_modules")
+    save_merged: bool = arg(
+        True, "LoRA: beside the adapter (final/), the merged plain model in <run_dir>/final_merged"
+    )
     dtype: str = arg(
         "auto", "auto (bf16 on a GPU with bf16, else fp32), bf16 or fp32", ("auto", "bf16", "fp32")
     )
@@ -195,6 +205,14 @@ class RunArgs:
     report_to: str = arg(
         "none", "none or wandb (offline unless WANDB_MODE is set)", ("none", "wandb")
     )
+    log_completions: bool = arg(
+        False,
+        "each step's prompts, completions and rewards (rank 0's) in <run_dir>/completions.jsonl, "
+        "and as a wandb table with --report_to wandb",
+    )
+    num_completions_to_print: int = arg(
+        0, "--log_completions: print this many of each step's completions", ">= 0"
+    )
     estimate_memory: bool = arg(False, "print the per-phase memory estimate (fit.py) and exit")
     gpu_gb: float = arg(0.0, "--estimate_memory on paper for a GPU of this many GB", ">= 0")
     memory_budget_gb: float = arg(
@@ -212,6 +230,10 @@ def parse(args_class, recipes, argv=None):
     if args.use_vllm and args.gather_for_generation is False:
         raise RunError(
             "--gather_for_generation False applies to HF generation; drop it with --use_vllm"
+        )
+    if args.num_completions_to_print and not args.log_completions:
+        raise RunError(
+            "--num_completions_to_print prints what --log_completions True logs: pass both"
         )
     if args.max_steps == 0 and args.resume:
         raise RunError(
@@ -278,19 +300,27 @@ class Inputs:
     knobs: object  # fit.Knobs: the memory knobs in effect
 
 
-def preflight(args, rank, world, models, say=print, check=None):
+def preflight(args, rank, world, models, say=print, check=None, build_dir=None):
     """Every input checked before a model loads or a step runs, each failure a RunError saying what
     to change, in one pass: the inputs (run_dir, vLLM, data, models, tokenizer, rewards, whole
     groups in the JSON's batch), then the memory estimate and the fit (--memory_budget_gb,
-    fit.py), then the DeepSpeed JSON with the fitted knobs and the resume. `models`: what the
-    loop builds beside the policy (fit.py). check(args, rank) -> Inputs' fields up to weights:
-    the loop's own input check, for rows that are not prompts; None: the prompts, rewards and
-    models that checks.check_inputs checks."""
+    fit.py), then the DeepSpeed JSON with the fitted knobs, the resume, and what the run writes
+    against its disk. `models`: what the loop builds beside the policy (fit.py). check(args,
+    rank, build_dir) -> Inputs' fields up to weights: the loop's own input check, for rows that
+    are not prompts; None: the prompts, rewards and models that checks.check_inputs checks.
+    build_dir: where the built-in task's model is built (default run_dir; before_torchrun: a
+    scratch directory)."""
     # before anything is written there
     check_new_run(args.run_dir, args.resume, args.overwrite, evaluate=not args.max_steps)
     check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
     beside = [models.get(k, "") for k in ("reward_model", "env", "teacher")]
-    found = check(args, rank) if check else check_inputs(args, rank, *beside)
+    found = (
+        check(args, rank, build_dir)
+        if check
+        else check_inputs(args, rank, *beside, build_dir=build_dir)
+    )
+    if line := reward_line(args, found["funcs"], found["weights"], models.get("reward_model")):
+        say(line)  # among the run's first lines: what it is trained to do
     dtype = training_dtype(args.dtype)
     mini = models.get("mini_batches", 1)  # whole groups on every rank in each optimizer step
     check_global_batch(
@@ -316,15 +346,20 @@ def preflight(args, rank, world, models, say=print, check=None):
         paths = [("--model", found["model_path"]), ("--reward_model", models.get("reward_model"))]
         paths.append(("--teacher_model", models.get("teacher")))
         check_partitioned_loading([(flag, path) for flag, path in paths if path])
+    saved = existing = 0  # the step a resumed run starts from, the checkpoints it has
     if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
         config = checkpoint_config(args, world, found["eval_rows"])
         path = check_resume(os.path.join(args.run_dir, "checkpoints"), config, MEMORY_KNOBS)
         saved = int(os.path.basename(path).removeprefix("step"))
+        existing = len(step_dirs(os.path.dirname(path)))
         if args.max_steps < saved:  # equal: a run stopped after its last save ends again
             raise RunError(
                 f"--resume: {path} is at step {saved}, past --max_steps {args.max_steps}: pass "
                 f"--max_steps {saved} or more (more extends the run)"
             )
+    # what the checkpoints and the final model take, against the free space, before step 1
+    writes = run_writes(args, found["config"], stage, dtype, models, saved, existing)
+    check_disk(args, writes, say=say)
     return Inputs(**found, dtype=dtype, ds_config=ds, knobs=knobs)
 
 
@@ -407,9 +442,13 @@ def before_torchrun(args, models, check=None):
         return estimate_run_memory(args, models)
     args.run_dir = args.run_dir or default_run_dir(args)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    with nothing_left_if_refused(args.run_dir):
-        inputs = preflight(args, rank=0, world=world, models=models, check=check)
-    if args.use_vllm and args.vllm_mode == "server":  # what run.sh starts the server with
+    server = args.use_vllm and args.vllm_mode == "server"
+    # nothing written: the built-in task's model built aside and removed, unless a vLLM server
+    # (run.sh's VLLM_DEVICES) is to start from it, with the settings it is started with
+    with nothing_left_if_refused(args.run_dir), tempfile.TemporaryDirectory() as scratch:
+        build_dir = None if server else scratch
+        inputs = preflight(args, 0, world, models, check=check, build_dir=build_dir)
+    if server:
         write_server_settings(args, inputs.config, inputs.dtype)
     print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
 
@@ -695,10 +734,23 @@ class Run:
             saved = saved or self.save(step)
             raise Stopped(self.stop.message(signum, step, saved))  # exit 5 (checkpoint.py)
 
+    def log_completions(self, prompt_ids, gens, rewards, per_func, advantages=None):
+        """--log_completions: rank 0's prompts of this step (as the model read them), each
+        completion with its total reward, each function's reward and its advantage ((B,), if
+        given) in completions.jsonl and wandb's table; --num_completions_to_print of them printed.
+        No collective: call it on every rank or on rank 0 alone."""
+        if not self.args.log_completions or self.rank != 0:
+            return
+        prompts = self.tokenizer.batch_decode(prompt_ids)
+        texts = self.tokenizer.batch_decode(gens.completion_ids, skip_special_tokens=True)
+        rows = self.log.completions(self.step, prompts, texts, rewards, per_func, advantages)
+        for r in rows[: self.args.num_completions_to_print]:
+            tqdm.write(f"  {r['prompt']!r} -> {r['completion']!r}: reward {r['reward']:.3f}")
+
     def save(self, step):
-        a = self.args
+        a, adapter = self.args, self.policy if self.args.lora_r else None
         return save_checkpoint(
-            self.engines, self.ckpt_dir, step, self.ckpt_config, a.save_total_limit
+            self.engines, self.ckpt_dir, step, self.ckpt_config, a.save_total_limit, adapter
         )
 
     def held_out(self, step, when):
@@ -738,11 +790,11 @@ class Run:
         self.log.record(row)
         return reward
 
-    def finish(self, panels, save=None):
-        """After the last step: the held-out score, the memory summary, the final model
-        (save(path); default: the policy's full weights, merged with LoRA), curves.png; then the
-        process group closes. --max_steps 0: the held-out score of the model as given, no final
-        model."""
+    def finish(self, panels):
+        """After the last step: the held-out score, the memory summary, the final model in final/
+        (the policy's full weights; LoRA: its adapter as peft saves it, and with --save_merged the
+        merged model in final_merged/), curves.png; then the process group closes. --max_steps 0:
+        the held-out score of the model as given, no final model."""
         a = self.args
         if not a.max_steps:  # evaluation only: the model as given, no checkpoint, no final model
             self.held_out(0, f"step 0, {self.model_path} as given (--max_steps 0)")
@@ -768,7 +820,10 @@ class Run:
             )
         if a.save_model and a.max_steps:
             final = os.path.join(a.run_dir, "final")
-            (save or (lambda path: save_hf(self.policy, self.tokenizer, path)))(final)
+            if a.lora_r:  # TRL's layout: PeftModel.from_pretrained(base, final)
+                save_adapter(self.policy, self.tokenizer, final)
+            if a.save_merged or not a.lora_r:  # a plain model (LoRA: merged) for vLLM, --model
+                save_hf(self.policy, self.tokenizer, final + "_merged" if a.lora_r else final)
         self.log.close(panels=panels)
         dist.barrier()
         if self.vllm is None:  # vLLM's exit handler tears down its groups with the default one

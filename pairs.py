@@ -20,12 +20,21 @@ common ones (prompt, chosen, rejected); --prompt_field, --chosen_field, --reject
 import math
 import os
 import random
+import sys
 
 import torch
 import torch.distributed as dist
 
 from batching import encode_prompts, make_batch, stop_token_ids, template_kwargs
-from checks import check_data, check_model_path, check_templates, load_tokenizer
+from checks import (
+    check_data,
+    check_model_path,
+    check_templates,
+    is_reward_model,
+    load_tokenizer,
+    prompt_text,
+    unknown_tokens,
+)
 from data import _read, conversation_error, row_name
 from exits import RunError
 from generation import Generations
@@ -165,12 +174,7 @@ def pair_batch(tokenizer, rows, max_prompt_length, max_response_length, template
     responses): rows 2i and 2i + 1 are pair i's chosen and rejected sequences; "margin" (2N,) the
     pair's margin on both. A response is its tokens and eos, cut to max_response_length."""
     prompt_ids = encode_prompts(tokenizer, rows, max_prompt_length, template_kwargs)
-    texts = [r[side] for r in rows for side in ("chosen", "rejected")]
-    eos = [tokenizer.eos_token_id]
-    resp = [
-        (ids + eos)[:max_response_length]
-        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]
-    ]
+    resp = response_ids(tokenizer, rows, max_response_length)  # 2N lists
     C = max(len(x) for x in resp)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([x + [pad] * (C - len(x)) for x in resp])  # (2N, C)
@@ -180,16 +184,61 @@ def pair_batch(tokenizer, rows, max_prompt_length, max_response_length, template
     return batch
 
 
-def reward_model_start(args, rank):
+def response_ids(tokenizer, rows, max_response_length):
+    """Each pair's chosen and rejected responses (2N lists, pair i's at 2i and 2i + 1) as the reward
+    model reads them: the text's tokens and eos, cut to max_response_length."""
+    texts = [r[side] for r in rows for side in ("chosen", "rejected")]
+    eos = [tokenizer.eos_token_id]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return [(x + eos)[:max_response_length] for x in ids]
+
+
+def pair_texts(row):
+    """{part: texts} of a pair that the tokenizer reads (checks.unknown_tokens)."""
+    return {"prompts": [prompt_text(row["prompt"])], "responses": [row["chosen"], row["rejected"]]}
+
+
+TIED_SHARE = 0.25  # pairs that read the same once cut: above this share refused, else a warning
+
+
+def tied_pairs(tokenizer, rows, args):
+    """(problem, warning), each None or a message: the pairs whose responses differ but read the
+    same once tokenized and cut to --max_completion_length (pair_batch's cut), so the reward
+    model scores them alike whatever it learns (loss ln 2, no gradient). Over TIED_SHARE of the
+    pairs: a problem; some: a warning."""
+    differ = [r for r in rows if r["chosen"] != r["rejected"]]
+    resp = response_ids(tokenizer, differ, args.max_completion_length)
+    tied = [r for r, c, x in zip(differ, resp[0::2], resp[1::2]) if c == x]
+    if not tied:
+        return None, None
+    source = f"--data {args.data}" if args.data else "the built-in task"
+    longest = max(len(x) for x in response_ids(tokenizer, tied, 10**9))
+    what = (
+        f"{source}: {len(tied)} of {len(rows)} pairs (first: "
+        f"{row_name(args.data, min(r['index'] for r in tied))}) have a chosen and a rejected "
+        f"response that read the same once cut to --max_completion_length "
+        f"{args.max_completion_length} tokens (eos included), so the reward model scores them "
+        f"alike whatever it learns"
+    )
+    fix = f"raise --max_completion_length (their longest response has {longest} tokens)"
+    if len(tied) > TIED_SHARE * len(rows):
+        return f"{what}: {fix}", None
+    return None, f"warning: {what} (they add nothing to the loss); {fix}, or drop them"
+
+
+def reward_model_start(args, rank, build_dir=None):
     """The reward model training starts from: --model itself when it is one (a sequence
     classifier), else one built by rank 0 in <run_dir>/init from --model (its body and tokenizer,
     a new score head: reward_model.py) or, without --model, the built-in task's tiny model's shape
-    and vocabulary. Call on every rank (it waits)."""
+    and vocabulary. build_dir: where to build it instead of run_dir (the pre-flight alone), which
+    builds none from --model (a copy of the model) and returns None. Call on every rank (it
+    waits)."""
     if args.model:
-        archs = getattr(check_model_path(args.model), "architectures", None) or []
-        if any(a.endswith("ForSequenceClassification") for a in archs):
+        if is_reward_model(check_model_path(args.model)):
             return args.model
-    path = os.path.join(args.run_dir, "init")
+        if build_dir:
+            return None
+    path = os.path.join(build_dir or args.run_dir, "init")
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
         tmp = f"{path}.tmp-{os.getpid()}"  # renamed into place whole, as tasks.task_model does
         build_reward_model(tmp, args.model, args.seed, args.pad_token)
@@ -199,11 +248,12 @@ def reward_model_start(args, rank):
     return path
 
 
-def check_pairs(args, rank):
+def check_pairs(args, rank, build_dir=None):
     """rm.py's inputs, checked before any step (rm.py hands it to harness.Run as its input check,
     `check`): the pairs (every problem in one message, before anything is written), then the
     reward model to start from, its tokenizer (eos, pad) and config, the prompts through the chat
-    template. Returns harness.Inputs' fields: train_rows and eval_rows are pairs."""
+    template. build_dir: as reward_model_start's. Returns harness.Inputs' fields: train_rows and
+    eval_rows are pairs."""
     fields = (args.prompt_field, args.chosen_field, args.rejected_field, args.margin_field)
     try:
         kwargs = template_kwargs(args.chat_template_kwargs)
@@ -221,9 +271,14 @@ def check_pairs(args, rank):
     check_data(problems)
     if args.model:  # the policy's tokenizer before anything is built from it
         load_tokenizer(args.model, args.pad_token)
-    model_path = reward_model_start(args, rank)
-    config = check_model_path(model_path)
-    tokenizer = load_tokenizer(model_path, args.pad_token)
+    model_path = reward_model_start(args, rank, build_dir)
+    if model_path is None:  # to be built from --model: its config and tokenizer, as the build has
+        model_path, config = args.model, check_model_path(args.model)
+        tokenizer = load_tokenizer(model_path, args.pad_token)
+        config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
+    else:
+        config = check_model_path(model_path)
+        tokenizer = load_tokenizer(model_path, args.pad_token)
     if config.pad_token_id != tokenizer.pad_token_id:
         raise RunError(
             f"--model {model_path} reads its score before pad id {config.pad_token_id}, and the "
@@ -231,7 +286,15 @@ def check_pairs(args, rank):
             f"{tokenizer.convert_ids_to_tokens(config.pad_token_id)!r}"
         )
     train_rows, eval_rows = rows[args.num_eval_prompts :], rows[: args.num_eval_prompts]
-    check_templates(tokenizer, train_rows[:20000] + eval_rows, args, model_path, kwargs)
+    checked = train_rows[:20000] + eval_rows
+    check_templates(tokenizer, checked, args, model_path, kwargs)
+    # what the reward model would read: <unk>, or a chosen and a rejected response cut alike
+    unknown, unread = unknown_tokens(tokenizer, rows, args, model_path, pair_texts)
+    tied, ties = tied_pairs(tokenizer, checked, args)
+    check_data([unknown, tied])
+    for warning in (unread, ties):
+        if warning and rank == 0:
+            print(warning, file=sys.stderr)
     return dict(
         train_rows=train_rows,
         eval_rows=eval_rows,

@@ -60,7 +60,7 @@ from exits import RunError, entry_code, exit_process
 from generation import attn_implementation_for, sampler_logp_gap
 from reward_model import sequence_scores
 from tasks import RewardError, reward_functions, reward_stats, score_completions
-from zero3_utils import all_cat, gathered
+from zero3_utils import all_cat
 
 
 # ---- The algorithm: rewards, advantages, losses (pure functions, tested against naive loops) ---
@@ -530,7 +530,8 @@ def main(argv=None):
         )
         t_update = time.time() - t1
 
-        # 5. the step's row, the held-out score when due, a checkpoint when due
+        # 5. the step's row (and samples), the held-out score when due, a checkpoint when due
+        run.log_completions(prompt_ids, gens, scores, per_func)
         losses = {k: v for k, v in totals.items() if k not in ("tokens", "skipped")}
         norms = [e.get_global_grad_norm() for e in (engine, critic_engine)]
         norms = None if None in norms else max(float(n) for n in norms)  # non-finite if either is
@@ -555,18 +556,12 @@ def main(argv=None):
         line += f" entropy {row['entropy']:.2f} clip {row['clip']:.3f}"
         run.end_step(row, loss=loss, grad_norm=norms, skipped=totals["skipped"] > 0, line=line)
 
-    def save(path):  # with LoRA the adapters only (load them onto the base model with peft)
-        with gathered(engine.module):
-            if run.rank == 0:
-                engine.module.save_pretrained(path)
-                run.tokenizer.save_pretrained(path)
-
     # curves.png: the score, the value loss, then KL to the reference (kl_coef > 0) or the entropy
     train, held = ("reward", "train", "-"), ("eval/reward", "held-out", "o-")
     right = ("KL to reference", "kl") if args.kl_coef > 0 else ("entropy (nats/token)", "entropy")
     panels = [("score", [train, held]), ("value loss", [("value_loss", "critic", "-")])]
     panels.append((right[0], [(right[1], "train", "-")]))
-    run.finish(panels, save if args.lora_r else None)
+    run.finish(panels)
 
 
 if __name__ == "__main__":

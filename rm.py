@@ -129,6 +129,7 @@ def parse_args(argv=None):
         ("eval_samples", 1),
         ("reward_funcs", ""),
         ("memory_budget_gb", 0.0),
+        ("log_completions", False),
     ):
         if getattr(args, flag) != off:
             raise RunError(f"--{flag} is not supported by rm.py (it trains on pairs); drop it")

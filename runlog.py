@@ -1,6 +1,7 @@
 """What a run leaves in its directory: the script and arguments that ran, every source file of this
 repository it imported (src/, with the git commit and diff), metrics.jsonl (and wandb when asked),
-and curves.png. (Peak memory per phase: memory.py's MemoryLedger.)
+completions.jsonl (with --log_completions: each step's samples) and curves.png. (Peak memory per
+phase: memory.py's MemoryLedger.)
 
     from runlog import RunLog
     log = RunLog(run_dir, __file__, vars(args), rank, report_to="none", extra={"world_size": world})
@@ -26,6 +27,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))  # the repository: the loops and their helpers
+COMPLETIONS = "completions.jsonl"  # --log_completions: each step's samples (RunLog.completions)
 
 
 class RunLog:
@@ -39,7 +41,7 @@ class RunLog:
     def __init__(
         self, run_dir, script, config, rank, report_to="none", extra=None, resume_step=None
     ):
-        self.run_dir, self.file, self.wandb = run_dir, None, None
+        self.run_dir, self.file, self.wandb, self.completions_file = run_dir, None, None, None
         if rank != 0:
             return
         shutil.copyfile(script, os.path.join(run_dir, os.path.basename(script)))
@@ -53,10 +55,11 @@ class RunLog:
             # offline: <run_dir>/wandb/offline-run-<time>-<id>/, `wandb sync` uploads it
             wandb.init(project="lean-rl", dir=run_dir, config=config, name=run_name(run_dir))
             self.wandb = wandb
-        path = os.path.join(run_dir, "metrics.jsonl")
-        if resume_step is not None and os.path.exists(path):
-            truncate_after(path, resume_step)
-        self.file = open(path, "a")
+        for name in ("metrics.jsonl", COMPLETIONS):
+            path = os.path.join(run_dir, name)
+            if resume_step is not None and os.path.exists(path):
+                truncate_after(path, resume_step)
+        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
 
     def record(self, row):
         """One JSON line; row["step"] is the x axis of wandb and of the curves."""
@@ -67,12 +70,40 @@ class RunLog:
         if self.wandb:
             self.wandb.log(row, step=row["step"])
 
+    def completions(self, step, prompts, completions, rewards, per_func, advantages=None):
+        """One step's samples appended to completions.jsonl, a row per completion (prompt-major,
+        len(completions) / len(prompts) of each prompt): {"step", "prompt", "completion",
+        "reward", "rewards/<name>" for each of per_func, "advantage" when given}; with wandb, its
+        table "completions" at that step. Returns the rows."""
+        G = len(completions) // max(len(prompts), 1)
+        rows = []
+        for i, text in enumerate(completions):
+            row = {"step": step, "prompt": prompts[i // G], "completion": text}
+            row["reward"] = float(rewards[i])
+            row.update({f"rewards/{k}": float(v[i]) for k, v in per_func.items()})
+            if advantages is not None:
+                row["advantage"] = float(advantages[i])
+            rows.append(row)
+        if self.file is None or not rows:
+            return rows
+        if self.completions_file is None:
+            self.completions_file = open(os.path.join(self.run_dir, COMPLETIONS), "a")
+        self.completions_file.writelines(json.dumps(r) + "\n" for r in rows)
+        self.completions_file.flush()
+        if self.wandb:
+            columns = list(rows[0])
+            table = self.wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+            self.wandb.log({"completions": table}, step=step)
+        return rows
+
     def close(self, panels):
         """Close metrics.jsonl and plot it: one subplot per panel, a panel (y label, [(key, label,
         style), ...])."""
         if self.file is None:
             return
         self.file.close()
+        if self.completions_file is not None:
+            self.completions_file.close()
         plot_curves(self.run_dir, panels)
         if self.wandb:
             self.wandb.finish()

@@ -22,6 +22,7 @@ Public API
                                                        most max_numel elements (or one parameter)
                                                        at a time
     save_hf(engine_or_model, tokenizer, path)          consolidated HF checkpoint, written by rank 0
+    save_adapter(engine_or_model, tokenizer, path)     a peft model's adapter as peft saves it
     frozen_config(ds_config, offload=False)            a frozen model's DeepSpeed config (ZeRO-3)
     frozen_engine(model, ds_config, offload=False)     reference/reward model, a ZeRO-3 inference
                                                        engine
@@ -402,6 +403,21 @@ def save_hf(engine_or_model, tokenizer, path, max_shard_bytes=2 * 2**30):
             tokenizer.save_pretrained(path)
     if dist.is_initialized():
         dist.barrier()  # nobody reads the checkpoint before rank 0 has finished it
+
+
+def save_adapter(engine_or_model, tokenizer, path):
+    """A peft model's adapter as peft writes it (adapter_config.json, adapter_model.safetensors,
+    and the tokenizer unless None): what `PeftModel.from_pretrained(base, path)` loads. Only the
+    trained parameters (the adapters) are gathered under ZeRO-3; rank 0 writes. Every rank must
+    call it."""
+    model = _module(engine_or_model)
+    with gathered([p for p in model.parameters() if p.requires_grad]):
+        if process_rank() == 0:
+            model.save_pretrained(path)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()  # nobody reads the adapter before rank 0 has written it
 
 
 # ---------------------------------------------------------------- engines and configs

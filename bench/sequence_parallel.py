@@ -18,6 +18,7 @@ length. Ratios side by side in one run; results in bench/out/sequence_parallel.j
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -115,13 +116,19 @@ def worker(a):
     torch.distributed.destroy_process_group()
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_one(S, L, layers, tmp):
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={S}",
-        "--master_port=0",
+        f"--master_port={free_port()}",
         __file__,
         "worker",
         "--length",

@@ -258,6 +258,56 @@ def assert_vllm_holds_trainer_weights(rows, tol=1e-4):
         assert 0 <= r["sampling/sampling_logp_difference/mean"] <= gap < tol, r
 
 
+def assert_adapter_is_the_merged_model(run, checkpoint_adapter):
+    """final/ and a checkpoint's adapter/ load as peft's documentation writes it, onto the base
+    model (the run's model/), and give the logits of the merged model (final_merged/)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert (run / "final" / "adapter_config.json").exists() and not (
+        run / "final" / "config.json"
+    ).exists()
+    ids = torch.tensor([[1, 4, 5, 6, 7, 3]])
+    merged = AutoModelForCausalLM.from_pretrained(run / "final_merged").eval()
+    base_logits = AutoModelForCausalLM.from_pretrained(run / "model")(ids).logits
+    for path in (run / "final", checkpoint_adapter):
+        base = AutoModelForCausalLM.from_pretrained(run / "model")
+        model = PeftModel.from_pretrained(base, path).eval()
+        with torch.no_grad():
+            logits = model(ids).logits
+        assert torch.allclose(logits, merged(ids).logits, atol=1e-5), path
+        assert not torch.allclose(logits, base_logits, atol=1e-5), path  # the adapters moved
+
+
+def assert_writes_as_estimated(run, loop, argv, step):
+    """checks.run_writes (the pre-flight's disk check) from the run's real Args against what the
+    run wrote: one checkpoint (checkpoints/step<step>, every rank's files) within 5 % and 0.5 MiB
+    (the files of fixed size the estimate leaves to the 16 MiB for logs: zero_to_fp32.py, the
+    config, each rank's metadata of each engine), the final model (or LoRA's adapter and merged
+    model) within 2 % and 64 KiB (a safetensors header). ZeRO-3, fp32, the run's model/."""
+    import torch
+
+    from checks import run_writes
+
+    args = loop.parse_args(argv)
+    writes = run_writes(args, str(run / "model"), 3, torch.float32, loop.memory_models(args))
+
+    def du(path):
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+    name, total = writes[0]
+    count = int(name.split()[0])
+    on_disk = du(run / "checkpoints" / f"step{step}")
+    assert total / count == pytest.approx(on_disk, rel=0.05, abs=2**19), (total / count, on_disk)
+    files = {"the final model": "final", "the merged final model": "final_merged"}
+    files["the LoRA adapter (final/)"] = "final/adapter_model.safetensors"
+    for what, n in writes[1:]:
+        path = run / files[what]
+        weights = path if path.is_file() else path / "model.safetensors"
+        assert n == pytest.approx(weights.stat().st_size, rel=0.02, abs=2**16), what  # + header
+
+
 def train_rows(run_dir):
     """The per-step training rows of a run's metrics.jsonl."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

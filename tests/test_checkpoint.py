@@ -336,8 +336,10 @@ def test_new_run_checks_in_the_preflight(tmp_path, monkeypatch, capsys, loop):
             ],
         )
 
-    assert preflight() == 0  # builds run_dir/model (the built-in task's model): not a run's output
     assert preflight() == 0
+    assert not run_dir.exists()  # the pre-flight alone writes nothing
+    run_dir.mkdir()
+    assert preflight() == 0  # an empty run_dir is fine
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
     capsys.readouterr()
     assert preflight() == 2

@@ -122,6 +122,13 @@ def test_model_path_missing_or_not_a_model(env, capsys):
     )
     os.makedirs(env / "empty")
     assert fails(capsys, preflight(grpo.main, env, model=str(env / "empty")), "has no config.json")
+    (env / "empty" / "adapter_config.json").write_text("{}")  # a LoRA run's final/
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, model=str(env / "empty")),
+        "is a LoRA adapter (peft: PeftModel.from_pretrained(base, path)",
+        "<run_dir>/final_merged",
+    )
 
 
 def test_tokenizer_without_pad_token(env, capsys, tiny_model):
@@ -1035,8 +1042,9 @@ def test_the_default_held_out_share_and_a_large_one_said_before_training(env, ca
 
 
 def test_a_refused_run_creates_nothing(env, capsys):
-    """Refused after the pre-flight built the built-in task's model in run_dir/model: the run dir
-    it created is removed (an empty one that was there stays, without the model)."""
+    """A refused pre-flight leaves no run dir it would have created (an empty one that was there
+    stays empty), and one that passes writes nothing either (the built-in task's model is built
+    aside and removed)."""
     assert fails(
         capsys,
         preflight(grpo.main, env, "--num_eval_prompts", 1000, "--run_dir", env / "new" / "run"),
@@ -1046,3 +1054,181 @@ def test_a_refused_run_creates_nothing(env, capsys):
     (env / "run").mkdir()
     assert fails(capsys, preflight(ppo.main, env, "--num_eval_prompts", 1000), "1000 rows")
     assert os.listdir(env / "run") == []
+    assert preflight(grpo.main, env, "--run_dir", env / "new" / "run") == 0
+    assert not (env / "new").exists()
+
+
+STORIES = os.path.join(ROOT, "..", "shared", "assets", "stories260K-hf")
+SKY = [
+    {"prompt": f"Is the sky blue? ({i})", "chosen": "Yes, the sky is blue.", "rejected": c}
+    for i, c in enumerate(["Yes, the sky is green.", "Yes, the sky is red."] * 12)
+]
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES), reason=f"needs the stories260K model at {STORIES}")
+def test_pairs_the_reward_model_cannot_tell_apart_are_refused(env, capsys):
+    """rm.py without --model on English pairs: the built-in task's tokenizer reads <unk>, and cut
+    to its 2 response tokens every pair is a tie (loss ln 2, accuracy 0): both said in one
+    message. A model whose tokenizer reads them still ties them at 2 tokens; at 16 they differ,
+    and the pre-flight passes, writing nothing (no init/ copy of the model)."""
+    import rm
+
+    data = jsonl(env / "sky.jsonl", [json.dumps(r) for r in SKY])
+    assert fails(
+        capsys,
+        preflight(rm.main, env, "--data", data),
+        "2 problems with the data",
+        "of the prompts' tokens and 100% of the responses' tokens",
+        "unknown to the tokenizer of the built-in task's model",
+        "24 of 24 pairs (first: line 1) have a chosen and a rejected response that read the same "
+        "once cut to --max_completion_length 2 tokens",
+    )
+    flags = ("--data", data, "--pad_token", "</s>", "--recipe", "")
+    assert fails(
+        capsys,
+        preflight(rm.main, env, *flags, model=STORIES),
+        "raise --max_completion_length (their longest response has 16 tokens)",
+    )
+    assert preflight(rm.main, env, *flags, "--max_completion_length", 16, model=STORIES) == 0
+    assert not (env / "run").exists()  # no init/ copy of the model: the pre-flight writes nothing
+
+
+GSM8K = os.path.join(ROOT, "..", "shared", "assets", "gsm8k", "train.jsonl")
+
+
+@pytest.mark.skipif(not os.path.isfile(GSM8K) or not os.path.isdir(STORIES), reason="assets")
+def test_gsm8k_answers_with_the_exact_match_default_are_refused(env, capsys):
+    """GSM8K's answers ("... #### 72", several lines) can never be a completion's last line, so
+    --data's default reward (exact_match_reward) would score every completion 0: refused before
+    step 1, naming rewards:math_reward; with it the pre-flight passes and says the reward it
+    uses, as every run does among its first lines."""
+    with open(GSM8K) as f:
+        rows = [json.loads(next(f)) for _ in range(40)]
+    data = jsonl(env / "gsm8k.jsonl", [json.dumps(r) for r in rows])
+    flags = ("--data", data, "--prompt_field", "question", "--pad_token", "</s>")
+    assert fails(
+        capsys,
+        preflight(grpo.main, env, *flags, model=STORIES),
+        'answers ("answer") of --data',
+        "span several lines, and exact_match_reward (--data's default reward)",
+        "every completion of those prompts would score 0",
+        "pass --reward_funcs rewards:math_reward",
+    )
+    math = ("--reward_funcs", "rewards:math_reward")
+    assert preflight(grpo.main, env, *flags, *math, model=STORIES) == 0
+    assert "reward: 1 x rewards.math_reward (--reward_funcs)\n" in capsys.readouterr().out
+    assert preflight(ppo.main, env) == 0  # the built-in task
+    out = capsys.readouterr().out
+    assert "reward: 0.25 x tasks.format_reward + 0.75 x tasks.correct_reward (the built-in " in out
+
+
+def test_checkpoints_on_disk_at_once_match_a_naive_save_and_prune():
+    """checkpoint.checkpoints_added against a step-by-step simulation of Run.end_step's saves and
+    save_checkpoint's prune (write, then keep the newest K), a resume's checkpoints included."""
+    from checkpoint import checkpoints_added
+
+    def naive(start, max_steps, every, last, limit, existing):
+        alive, peak = list(range(existing)), existing
+        for step in range(start + 1, max_steps + 1):
+            if every and step % every == 0 or last and step == max_steps:
+                alive.append(step)
+                peak = max(peak, len(alive))
+                alive = alive[-limit:] if limit else alive
+        return peak - existing
+
+    for case in [
+        (s, m, e, last, k, x)
+        for s, x in ((0, 0), (3, 1), (4, 2), (4, 5))
+        for m in (4, 5, 12)
+        for e in (0, 1, 3, 5)
+        for last in (True, False)
+        for k in (0, 1, 2, 3)
+        if m >= s
+    ]:
+        assert checkpoints_added(*case) == naive(*case), case
+
+
+def test_a_run_the_disk_cannot_hold_is_refused_before_step_1(env, capsys, tiny_model):
+    """checks.run_writes and check_disk with the loops' real Args: what a run writes is said, and
+    a filesystem with less free is refused naming what writes less; the estimate at SmolLM2-135M's
+    shape is the 1.6 GB of docs/checkpoints.md (ZeRO-3, fp32: 12 bytes per parameter)."""
+    from checks import check_disk, run_writes
+    from tiny_models import llama_config
+
+    smol = dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    )
+    args = grpo.parse_args(["--save_steps", "10", "--run_dir", str(env / "run")])
+    writes = dict(run_writes(args, smol, 3, torch.float32, grpo.memory_models(args)))
+    assert writes["10 checkpoints of 1.5 GiB"] == 10 * 134515008 * 12  # steps 10, 20, ..., 100
+    assert writes["the final model"] == 134515008 * 4
+    with pytest.raises(RunError) as e:
+        check_disk(args, list(writes.items()), free=10 * 2**30)
+    msg = str(e.value)
+    assert "the run would write about 15.5 GiB (10 checkpoints of 1.5 GiB" in msg, msg
+    assert (
+        "its filesystem has 10.0 GiB free: free space there or give another --run_dir, or " in msg
+    )
+    for fix in (
+        "--save_total_limit 1",
+        "--save_last False",
+        "--save_steps above 10",
+        "--save_model",
+    ):
+        assert fix in msg, (fix, msg)
+    check_disk(args, list(writes.items()), free=20 * 2**30)  # fits: said, not refused
+    assert "disk: the run writes about 15.5 GiB" in capsys.readouterr().out
+    # keep one: the one being written beside it (bf16: 2 bytes per weight in the final model)
+    args = grpo.parse_args(["--save_steps", "10", "--save_total_limit", "1"])
+    assert run_writes(args, smol, 3, torch.bfloat16, {})[0][0] == "2 checkpoints of 1.5 GiB"
+    # PPO: the actor and the critic (a body and a value head); LoRA: the adapters train, the
+    # frozen weights' shards stay in the checkpoint, the adapter and the merged model at the end
+    tiny = llama_config(15, hidden_size=128, num_layers=2)
+    argv = ["--lora_r", "8", "--save_last", "False", "--max_steps", "100", "--save_steps", "50"]
+    args = ppo.parse_args(argv)  # a checkpoint at steps 50 and 100
+    (name, ckpt), adapter, merged = run_writes(
+        args, tiny, 3, torch.float32, ppo.memory_models(args)
+    )
+    N, body, lora = 332160, 332160 - 15 * 128, 34816  # the tiny model; lora_params at r 8
+    assert ckpt == 2 * (12 * lora + 4 * N + 12 * (lora + 128) + 4 * body + 4 * lora)
+    assert adapter == ("the LoRA adapter (final/)", 4 * lora) and merged[1] == 4 * N
+    # nothing to save: a run without checkpoints or a final model writes its logs only
+    args = grpo.parse_args(["--save_last", "False", "--save_model", "False"])
+    assert run_writes(args, tiny, 3, torch.float32, {}) == []
+
+
+def test_preflight_on_a_full_filesystem_is_refused_and_writes_nothing(env, capsys):
+    """A real 1 MiB filesystem (a tmpfs; mounting one needs root, else skipped): the built-in
+    task's run (a 3.8 MiB checkpoint, a 1.3 MiB final model) is refused by the pre-flight with
+    what to change, and nothing is written there."""
+    mount = env / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount)])
+    if done.returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        assert fails(
+            capsys,
+            preflight(grpo.main, env, "--run_dir", mount / "run"),
+            f"--run_dir {mount / 'run'}: the run would write about 5.1 MiB (1 checkpoint of 3.8",
+            "its filesystem has 1.0 MiB free",
+            "--save_last False saves none at the end",
+        )
+        assert os.listdir(mount) == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("loop", [grpo, ppo], ids=["grpo", "ppo"])
+def test_completions_printed_only_where_logged(loop):
+    """--num_completions_to_print prints what --log_completions True logs: alone, it is refused."""
+    with pytest.raises(RunError, match="--num_completions_to_print prints what --log_completions"):
+        loop.parse_args(["--num_completions_to_print", "2"])
+    args = loop.parse_args(["--log_completions", "True", "--num_completions_to_print", "2"])
+    assert args.log_completions and args.num_completions_to_print == 2

@@ -15,6 +15,7 @@ import json
 import pytest
 
 import conftest
+import grpo
 from conftest import SMALL, finish, free_port, train_rows
 
 
@@ -24,7 +25,8 @@ def run_sh(*args, **kw):
 
 def test_zero3_hf_outputs_and_checkpoint(tmp_path):
     a = tmp_path / "a"
-    out = run_sh("--max_steps", "3", "--save_steps", "2", env={"RUN_DIR": str(a)})
+    log = ["--log_completions", "True", "--num_completions_to_print", "2", "--report_to", "wandb"]
+    out = run_sh("--max_steps", "3", "--save_steps", "2", *log, env={"RUN_DIR": str(a)})
     assert "held-out reward: start" in out
     full = train_rows(a)
     assert [r["step"] for r in full] == [1, 2, 3]
@@ -45,6 +47,28 @@ def test_zero3_hf_outputs_and_checkpoint(tmp_path):
     assert {"mem/rollout", "mem/optimizer_step"} <= set(
         full[0]
     ) and "peak memory (peak RSS" in out  # ledger
+
+    # the pre-flight's disk estimate against the files: a checkpoint, the final model
+    conftest.assert_writes_as_estimated(
+        a, grpo, [*SMALL, "--max_steps", "3", "--save_steps", "2"], 2
+    )
+
+    # --log_completions: rank 0's 2 prompts x 4 completions each step, their rewards (the total
+    # the task's weighted sum), advantages (each group's sum 0), printed and in wandb's table
+    samples = [json.loads(line) for line in open(a / "completions.jsonl")]
+    assert [r["step"] for r in samples] == [s for s in (1, 2, 3) for _ in range(8)]
+    for r in samples:
+        assert r["prompt"].endswith("=") and isinstance(r["completion"], str)
+        parts = 0.25 * r["rewards/format_reward"] + 0.75 * r["rewards/correct_reward"]
+        assert r["reward"] == pytest.approx(parts)
+    for group in zip(*[iter(samples)] * 4):
+        assert sum(r["advantage"] for r in group) == pytest.approx(0.0, abs=1e-4)
+    assert f"  {samples[0]['prompt']!r} -> {samples[0]['completion']!r}: reward" in out
+    tables = list((a / "wandb").glob("offline-run-*/files/media/table/completions_*.table.json"))
+    assert len(tables) == 3, tables  # one per step
+    table = json.load(open(sorted(tables)[0]))
+    assert table["columns"][:4] == ["step", "prompt", "completion", "reward"]
+    assert len(table["data"]) == 8
 
     # kill -9 and --resume, compared step by step with an uninterrupted run:
     # tests/test_checkpoint.py
@@ -146,11 +170,12 @@ def test_two_nodes_loopback_sharded_token_budget_jsonl(tmp_path):
     assert 0 <= rows[0]["reward"] <= 1.5
 
 
-def test_zero3_lora_vllm_sync_and_merged_final_model(tmp_path):
+def test_zero3_lora_vllm_sync_adapter_and_merged_final_model(tmp_path):
     """LoRA: 2 steps on ZeRO-3 with vLLM generating from the merged weights (its log-probs of its
     own samples match the trainer's at step 2, after the adapters moved), the reference is the
     policy with adapters off (KL > 0 once they moved), and only the adapted linear layers
-    changed."""
+    changed. The adapter is in final/ and in the last checkpoint as peft saves it: peft's
+    `PeftModel.from_pretrained(base, path)` on the base model gives the merged model's logits."""
     pytest.importorskip("peft")
     import torch
     from safetensors.torch import load_file
@@ -180,9 +205,10 @@ def test_zero3_lora_vllm_sync_and_merged_final_model(tmp_path):
         assert r["vllm_is_ratio"] == pytest.approx(1.0, abs=1e-3)  # vLLM holds the merged weights
     before, after = (
         load_file(run / "model" / "model.safetensors"),
-        load_file(run / "final" / "model.safetensors"),
+        load_file(run / "final_merged" / "model.safetensors"),
     )
-    assert set(after) == set(before)  # the final model is a plain model: merged, base-model names
+    assert set(after) == set(before)  # the merged model is a plain model: base-model names
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(k.endswith(("_proj.weight",)) for k in changed), sorted(changed)
     assert not any("embed" in k or "norm" in k or "lm_head" in k for k in changed)
+    conftest.assert_adapter_is_the_merged_model(run, run / "checkpoints" / "step2" / "adapter")

@@ -15,6 +15,7 @@ import signal
 import pytest
 
 import conftest
+import ppo
 from conftest import train_rows
 from tasks import TASK_CHARS
 from tiny_models import build_tiny
@@ -188,12 +189,24 @@ def test_zero3_lora(tmp_path):
         "8",
         "--learning_rate",
         "1e-2",
+        "--log_completions",
+        "True",
         env={"RUN_DIR": str(tmp_path / "r")},
     )
     rows = train_rows(tmp_path / "r")
     assert [r["step"] for r in rows] == [1, 2]
+    with open(tmp_path / "r" / "completions.jsonl") as f:  # rank 0's samples and their scores
+        samples = [json.loads(line) for line in f]
+    assert [r["step"] for r in samples] == [1] * 8 + [2] * 8
+    assert {"prompt", "completion", "reward", "rewards/correct_reward"} <= set(samples[0])
     # adapters start at zero: actor == reference
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert rows[1]["kl"] != 0.0  # the reference (adapters off) stays put while the adapters move
-    assert (tmp_path / "r" / "final" / "adapter_config.json").exists()
+    # the pre-flight's disk estimate: actor, critic and adapter per checkpoint; adapter, merged
+    argv = [*SMALL, "--max_steps", "2", "--lora_r", "8", "--learning_rate", "1e-2"]
+    conftest.assert_writes_as_estimated(tmp_path / "r", ppo, argv, 2)
+    # the actor's adapter in final/ and in the last checkpoint, its merged model beside it
+    conftest.assert_adapter_is_the_merged_model(
+        tmp_path / "r", tmp_path / "r" / "checkpoints" / "step2" / "adapter"
+    )
     assert "held-out reward: start" in out

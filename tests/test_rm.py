@@ -294,6 +294,7 @@ def test_args_refuse_what_rm_does_not_do():
         (["--per_device_train_batch_size", "3"], "even"),
         (["--packing", "True"], "--packing"),
         (["--num_generations", "4"], "--num_generations"),
+        (["--log_completions", "True"], "--log_completions is not supported by rm.py"),
     ):
         with pytest.raises(RunError, match=msg):
             parse_args(argv)

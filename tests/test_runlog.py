@@ -88,3 +88,26 @@ def test_compare_runs_on_one_figure(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # not a run directory: argparse's message, exit 2
         main([runs[0], str(tmp_path)])
     assert e.value.code == 2 and "has no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_completions_log_and_resume(tmp_path):
+    """--log_completions' file: a step's rows appended as they come, one per completion with its
+    prompt and rewards; a resume from the checkpoint of step 1 drops the rows a killed run wrote
+    after it, as in metrics.jsonl; only rank 0 writes."""
+    (tmp_path / "r").mkdir()
+    run_dir = str(tmp_path / "r")
+    log = RunLog(run_dir, __file__, {}, rank=0)
+    for step in (1, 2):
+        log.record({"step": step, "reward": 0.5})
+        log.completions(step, ["1="], ["a", "b"], [1.0, 0.5], {"f": [1.0, 0.0]})
+    log.close(panels=PANELS[:1])
+    with open(tmp_path / "r" / "completions.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["step"], r["completion"]) for r in rows] == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    assert rows[1] == {"step": 1, "prompt": "1=", "completion": "b", "reward": 0.5, "rewards/f": 0}
+    RunLog(run_dir, __file__, {}, rank=0, resume_step=1).close(panels=PANELS[:1])
+    with open(tmp_path / "r" / "completions.jsonl") as f:
+        assert [r["step"] for r in map(json.loads, f)] == [1, 1]
+    RunLog(run_dir, __file__, {}, rank=1).completions(3, ["1="], ["c"], [1.0], {})  # rank 0 writes
+    with open(tmp_path / "r" / "completions.jsonl") as f:
+        assert len(f.readlines()) == 2
