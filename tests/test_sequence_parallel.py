@@ -1,7 +1,7 @@
 """Sequence parallelism (sequence_parallel.py, --sequence_parallel_size): the left-aligned layout,
 the pre-flight's refusals, the losses and gradients of S = 2 against whole rows on 2 real ranks,
-and `bash run.sh grpo --sequence_parallel_size 2` end to end. bench/sequence_parallel.py compares
-whole runs (S = 2 on 2 ranks against 1 rank) and their memory."""
+and `bash run.sh grpo --sequence_parallel_size 2` end to end. bench/sequence_parallel_runs.py
+compares whole runs (S = 2 on 2 ranks against 1 rank) and their memory."""
 
 import json
 import os

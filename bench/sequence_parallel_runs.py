@@ -1,9 +1,9 @@
 """Sequence parallelism measured on this machine (docs/long-context.md): exactness of whole runs
 and the update's memory per rank.
 
-    python bench/sequence_parallel.py exactness            # S = 2 on 2 ranks vs 1 rank, 3 loops
-    python bench/sequence_parallel.py memory               # the update's peak per rank, S = 1, 2
-    python bench/sequence_parallel.py memory --lengths 4096,8192,16384 --layers 8
+    python bench/sequence_parallel_runs.py exactness     # S = 2 on 2 ranks vs 1 rank, 3 loops
+    python bench/sequence_parallel_runs.py memory        # the update's peak per rank, S = 1, 2
+    python bench/sequence_parallel_runs.py memory --lengths 4096,8192,16384 --layers 8
 
 exactness: `bash run.sh grpo|ppo|rm` seeded, once with --sequence_parallel_size 2 on 2 ranks and
 once on 1 rank, every metric compared (seconds and memory left out); fp32 noise only, since the
