@@ -61,7 +61,7 @@ def parse_args_quietly(dataclass_type, argv=None):
 _STEP = "--prompts_per_rank prompts x --num_generations completions per rank"
 _SERVER = "--vllm_server_url http://HOST:PORT (run.sh with VLLM_DEVICES=... starts one)"
 _NO_HUB = "none: the final model is <run_dir>/final, a save_pretrained directory, to push yourself"
-_SAMPLING = "none: sampling takes --temperature and --top_p only"
+_SAMPLING = "none: sampling takes --temperature, --top_p and --top_k only"
 TRL_FLAGS = {
     "--output_dir": "--run_dir (RUN_DIR with run.sh; default runs/<algo>-<time>)",
     "--overwrite_output_dir": "--overwrite True",
@@ -105,7 +105,6 @@ TRL_FLAGS = {
     "--dataset_test_split": "none: the held-out prompts are split off --data (--num_eval_prompts)",
     "--reward_model_name_or_path": "--reward_model (ppo.py)",
     "--epsilon": "--epsilon_low (grpo.py, with --epsilon_high) or --cliprange (ppo.py)",
-    "--top_k": _SAMPLING,
     "--min_p": _SAMPLING,
     "--repetition_penalty": _SAMPLING,
     "--num_generations_eval": "--eval_samples",

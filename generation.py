@@ -82,6 +82,21 @@ def sampler_top_k_rule(use_vllm):
     return "pytorch"
 
 
+def sampling_mask_available(top_k):
+    """Whether a colocated vLLM engine can return the sets its cut kept (LLM's
+    return_sampling_mask, replayed by batching.forward_logps): vLLM 0.32 gives them on Model
+    Runner V2 only, which it runs where Triton is (its CUDA build) unless VLLM_USE_V2_MODEL_RUNNER
+    is 0 (VllmConfig.use_v2_model_runner; a config V2 does not support yet makes vLLM refuse the
+    engine, "sampling distribution replay requires Model Runner V2"), and for requests with
+    top_k > 0 and temperature > 0 only (InputProcessor refuses the others)."""
+    if top_k <= 0 or not torch.cuda.is_available():
+        return False
+    import vllm.envs as envs
+    from vllm.triton_utils import HAS_TRITON
+
+    return HAS_TRITON and envs.VLLM_USE_V2_MODEL_RUNNER is not False
+
+
 def kept_sets(rows, length):
     """(n, length, k) int32 of per-token kept id lists (vLLM's SamplingMask.token_ids, one list of
     lists per completion), -1 padding: k the longest set, at most top_k."""

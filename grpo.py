@@ -359,16 +359,18 @@ def batch_stats(batch, plan, args, policy_logps=None):
 def batch_logps(model, batch, plan, args, knobs, device, policy=False):
     """(B, C) log-probs of the sampled tokens, micro-batch by micro-batch (same slices as the
     update, so the numerics match), never holding (B, T, V). Zero-weight repeats keep ranks in
-    step. policy: the sampling policy's, under the distribution that sampled them (--top_p < 1:
-    renormalised over the tokens nucleus sampling kept); the cut of each token, found here, goes
-    to batch["sampling_thresholds"] (B, C, 2) for the update's forwards."""
+    step. policy: the sampling policy's, under the distribution that sampled them (--top_k > 0,
+    --top_p < 1: renormalised over the tokens the sampler kept); the cut of each token, found
+    here (unless the sampler's kept sets travel with the batch), goes to
+    batch["sampling_thresholds"] (B, C, 2) for the update's forwards."""
     out = torch.zeros(batch["completion_mask"].shape, dtype=torch.float32)  # (B, C)
-    cut = torch.zeros(*out.shape, 2) if policy and args.top_p < 1 else None  # (B, C, 2)
+    how = harness.sampling_cut(args) if policy else {}
+    find = how and "sampling_kept" not in batch
+    cut = torch.zeros(*out.shape, 2) if find else None  # (B, C, 2)
     for idx, mb, weight in micro_batches(batch, plan):
         chunk = knobs.logprob_chunk_size  # 0: logprobs.py's default
-        top_p = args.top_p if policy else 1.0
         lp = forward_logps(
-            model, mb, args.temperature, args.packing, device, chunk_size=chunk, top_p=top_p
+            model, mb, args.temperature, args.packing, device, chunk_size=chunk, **how
         )
         if weight:  # (b, c); packed (one row without padding): the same values
             out[idx, : mb["logits_to_keep"]] = lp.float().cpu()
@@ -475,8 +477,9 @@ def train_on_batch(engine, batch, plan, args, knobs, stats, device, ledger, logp
             engine.set_gradient_accumulation_boundary(i == len(plan) - 1)  # we decide the step
             # through engine.forward, not engine.module: ZeRO-3 counts micro-steps there, and
             # without that count every backward overwrites (not accumulates) the gradient partitions
-            # --top_p < 1: under the nucleus, cut where the old pass cut (else found here)
-            kw = dict(return_entropy=True, chunk_size=knobs.logprob_chunk_size, top_p=args.top_p)
+            # --top_k, --top_p: under the sampler's cut, where the old pass cut (else found here)
+            kw = dict(return_entropy=True, chunk_size=knobs.logprob_chunk_size)
+            kw.update(harness.sampling_cut(args))
             logps, entropy = forward_logps(
                 engine, mb, args.temperature, args.packing, device, **kw
             )  # (b, c)

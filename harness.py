@@ -69,7 +69,12 @@ from checks import (
 )
 from exits import RunError
 from fit import MEMORY_KNOBS, OOM_HINTS, KnobAdapter, estimate_run_memory, fit_to_budget
-from generation import attn_implementation_for, generate_hf, unwrap_for_generation
+from generation import (
+    attn_implementation_for,
+    generate_hf,
+    sampler_top_k_rule,
+    unwrap_for_generation,
+)
 from guard import StepGuard
 from logprobs import DEFAULT_CHUNK_SIZE
 from memory import MemoryLedger
@@ -125,6 +130,7 @@ class RunArgs:
     max_completion_length: int = arg(2, "C: new tokens per completion", ">= 1")
     temperature: float = arg(1.0, "sampling temperature (log-probs use it too)", "> 0")
     top_p: float = arg(1.0, "nucleus sampling", "(0, 1]")
+    top_k: int = arg(0, "top-k sampling: the k likeliest tokens (0: off)", ">= 0")
     use_vllm: bool = arg(False, "generate with vLLM (--vllm_mode: colocated, or a server)")
     vllm_mode: str = arg(
         "colocate",
@@ -327,6 +333,9 @@ def preflight(args, rank, world, models, say=print, check=None, build_dir=None):
         read_ds_json(args.ds_config), args.ds_config, world * mini, args.num_generations
     )
     knobs, _ = fit_to_budget(args, world, models, say)  # the knobs as given, or fitted
+    vocab = getattr(found["config"], "vocab_size", None)
+    if vocab and args.top_k > vocab:  # vLLM refuses it per request; the cut would keep every token
+        raise RunError(f"--top_k {args.top_k} is above the model's {vocab} tokens: at most {vocab}")
     if knobs.sequence_parallel_size > 1:  # as given, or the fit's rung
         S = knobs.sequence_parallel_size
         check_sequence_parallel(args, world, found["config"], found["model_path"], S)
@@ -367,6 +376,15 @@ def preflight(args, rank, world, models, say=print, check=None, build_dir=None):
 PACKED_ATTENTION = ("flash_attention_2",)
 
 
+def sampling_cut(args):
+    """batching.forward_logps' keywords for the sampling policy's log-probs: the cut its sampler
+    made (--top_k, --top_p, with the top-k rule of the sampler that samples here:
+    generation.sampler_top_k_rule); {} without one (the full distribution)."""
+    if args.top_k == 0 and args.top_p == 1:
+        return {}
+    return dict(top_k=args.top_k, top_p=args.top_p, top_k_rule=sampler_top_k_rule(args.use_vllm))
+
+
 def check_sequence_parallel(args, world, config, model_path, S=None):
     """--sequence_parallel_size S > 1 (S: the fitted size, default the flag's): what cannot work,
     refused before a model loads."""
@@ -395,10 +413,10 @@ def check_sequence_parallel(args, world, config, model_path, S=None):
             "would let packed sequences attend to each other: --packing False (one sequence "
             "per micro-batch) or --attn_implementation flash_attention_2"
         )
-    if args.top_p < 1:
+    if args.top_p < 1 or args.top_k > 0:
         raise RunError(
-            f"--sequence_parallel_size {S} scores under the full distribution: --top_p 1 (its "
-            "sampler's cut is not sliced yet), or --sequence_parallel_size 1"
+            f"--sequence_parallel_size {S} scores under the full distribution: --top_p 1 and "
+            "--top_k 0 (its sampler's cut is not sliced yet), or --sequence_parallel_size 1"
         )
     if args.use_vllm and args.vllm_tensor_parallel_size > 1:
         raise RunError(
@@ -622,6 +640,7 @@ class Run:
             max_new_tokens=max_new_tokens or a.max_completion_length,
             temperature=a.temperature,
             top_p=a.top_p,
+            top_k=a.top_k,
         )
         if self.vllm is not None:
             return self.vllm.generate(prompt_ids, stop_token_ids=self.stop_ids, **kw)

@@ -294,9 +294,8 @@ def rollout_scorers(actor, critic, ref, args, knobs, device):
     old log-probs where needs_old_logps and, with kl_coef > 0, the reference log-probs (the frozen
     reference, or the actor itself with its LoRA adapters switched off)."""
 
-    def logps(model, mb, top_p=1.0):
-        chunk = knobs.logprob_chunk_size
-        how = dict(chunk_size=chunk, top_p=top_p)
+    def logps(model, mb, cut=None):
+        how = dict(chunk_size=knobs.logprob_chunk_size, **(cut or {}))
         return forward_logps(model, mb, args.temperature, args.packing, device, **how)
 
     def ref_logps(mb):
@@ -307,8 +306,8 @@ def rollout_scorers(actor, critic, ref, args, knobs, device):
 
     scorers = {"values": lambda mb: forward_values(critic.module, mb, args.packing, device)}
     if needs_old_logps(args):
-        # --top_p < 1: under the nucleus that sampled them; the cut stays for the update
-        scorers["old_logps"] = lambda mb: logps(actor.module, mb, args.top_p)
+        # --top_k, --top_p: under the sampler's cut; the cut stays for the update
+        scorers["old_logps"] = lambda mb: logps(actor.module, mb, harness.sampling_cut(args))
     if args.kl_coef > 0:
         scorers["ref_logps"] = ref_logps
     return scorers
@@ -338,7 +337,7 @@ def rollout_forwards(scorers, batch, plan, times):
                 v = fn(mb)  # (b, c)
             if weight:
                 out[name][idx, : mb["logits_to_keep"]] = v.float().cpu()
-        if weight and "sampling_thresholds" in mb:  # the nucleus's cut (batching.forward_logps)
+        if weight and "sampling_thresholds" in mb:  # the sampler's cut (batching.forward_logps)
             shape = (*batch["completion_mask"].shape, 2)  # (B, C, 2): (tau, n) per token
             cut = out.setdefault("sampling_thresholds", torch.zeros(shape))
             cut[idx, : mb["logits_to_keep"]] = mb["sampling_thresholds"]
@@ -418,8 +417,9 @@ def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, knob
     # through the engines' forward: ZeRO-3 counts micro-steps there (see grpo.py)
     actor.set_gradient_accumulation_boundary(boundary)
     with timed(times, "actor_forward"):
-        # --top_p < 1: under the nucleus, cut where the old pass cut (else found here)
-        kw = dict(return_entropy=True, chunk_size=knobs.logprob_chunk_size, top_p=args.top_p)
+        # --top_k, --top_p: under the sampler's cut, where the old pass cut (else found here)
+        kw = dict(return_entropy=True, chunk_size=knobs.logprob_chunk_size)
+        kw.update(harness.sampling_cut(args))
         logps, entropy = forward_logps(
             actor, mb, args.temperature, args.packing, device, **kw
         )  # (b, c)

@@ -49,7 +49,13 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from generation import Generations, VLLMGenerator, _stack_right_padded, gpu_scheduler_kwargs
+from generation import (
+    Generations,
+    VLLMGenerator,
+    _stack_right_padded,
+    gpu_scheduler_kwargs,
+    sampling_mask_available,
+)
 from zero3_utils import process_rank
 
 
@@ -311,6 +317,10 @@ def vllm_generator(args, model_path, dtype, max_model_len, pad_token_id):
     # every rank of the tensor-parallel group that shares the engine
     prompts = args.vllm_batch_size or args.prompts_per_rank
     seqs = args.vllm_tensor_parallel_size * prompts * args.num_generations
+    # --top_k > 0 on Model Runner V2: the sets the sampler kept come back and are replayed; every
+    # request the loops send then has top_k > 0 and temperature > 0 (no greedy one: evaluation
+    # samples as training does), as such an engine requires
+    replay = dict(return_sampling_mask=True) if sampling_mask_available(args.top_k) else {}
     return VLLMGenerator(
         model_path,
         tensor_parallel_size=args.vllm_tensor_parallel_size,
@@ -320,6 +330,7 @@ def vllm_generator(args, model_path, dtype, max_model_len, pad_token_id):
         max_model_len=max_model_len,
         dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
         **gpu_scheduler_kwargs(max_model_len, seqs),
+        **replay,
     )
 
 
