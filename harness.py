@@ -376,6 +376,11 @@ def preflight(args, rank, world, models, say=print, check=None, build_dir=None):
 PACKED_ATTENTION = ("flash_attention_2",)
 
 
+def sampling_params(args):
+    """How the policy samples (Run.generate: HF generate and vLLM take them alike)."""
+    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+
+
 def sampling_cut(args):
     """batching.forward_logps' keywords for the sampling policy's log-probs: the cut its sampler
     made (--top_k, --top_p, with the top-k rule of the sampler that samples here:
@@ -638,9 +643,7 @@ class Run:
         kw = dict(
             num_generations=num_generations,
             max_new_tokens=max_new_tokens or a.max_completion_length,
-            temperature=a.temperature,
-            top_p=a.top_p,
-            top_k=a.top_k,
+            **sampling_params(a),
         )
         if self.vllm is not None:
             return self.vllm.generate(prompt_ids, stop_token_ids=self.stop_ids, **kw)

@@ -360,6 +360,7 @@ LOOPS = pytest.mark.parametrize("loop", [grpo, ppo], ids=["grpo", "ppo"])
     [
         (grpo, "--temperature", 0, "--temperature 0.0: must be > 0"),
         (grpo, "--top_p", 1.5, "--top_p 1.5: must be in (0, 1]"),
+        (ppo, "--top_k", -1, "--top_k -1: must be >= 0"),
         (grpo, "--learning_rate", -0.001, "--learning_rate -0.001: must be > 0"),
         (grpo, "--epsilon_low", 1, "--epsilon_low 1.0: must be in [0, 1)"),
         (grpo, "--beta", -0.1, "--beta -0.1: must be >= 0"),
@@ -384,6 +385,10 @@ LOOPS = pytest.mark.parametrize("loop", [grpo, ppo], ids=["grpo", "ppo"])
 def test_numeric_argument_out_of_range(env, capsys, loop, flag, value, message):
     assert fails(capsys, preflight(loop.main, env, flag, value), message)
     assert not os.path.exists(env / "run")  # refused before anything is written
+
+
+def test_top_k_above_the_vocabulary_is_refused(env, capsys):
+    assert fails(capsys, preflight(grpo.main, env, "--top_k", 10**7), "--top_k 10000000 is above")
 
 
 @LOOPS

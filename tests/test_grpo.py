@@ -625,3 +625,46 @@ def test_distill_advantages_and_per_token_advantages_match_naive():
     per_row, _ = loss_of(logps, None, None, adv, mask, normalizer=n)
     per_token, _ = loss_of(logps, None, None, adv[:, None].expand(B, C), mask, normalizer=n)
     torch.testing.assert_close(per_row, per_token)
+
+
+def test_top_k_reaches_sampling_and_the_sampling_policys_log_probs(tiny_model):
+    """--top_k goes to generation (harness.sampling_params, what Run.generate passes HF generate
+    and vLLM) and to the sampling policy's log-probs with the sampler's top-k rule
+    (harness.sampling_cut); grpo.batch_logps(policy=True) then scores under the cut (above the
+    full softmax's log-probs: renormalised over k tokens) and keeps it for the update's forwards,
+    and the reference's pass (policy=False) does not. --top_k 0: nothing passed, as before."""
+    from transformers import AutoModelForCausalLM
+
+    import grpo
+    import ppo
+    from batching import make_batch, plan_micro_batches
+    from generation import Generations, sampler_top_k_rule
+
+    for loop in (grpo, ppo):
+        args = loop.parse_args(["--top_k", "5"])
+        assert harness.sampling_params(args) == dict(temperature=1.0, top_p=1.0, top_k=5)
+        rule = sampler_top_k_rule(False)  # HF generate: transformers' top-k warper
+        assert harness.sampling_cut(args) == dict(top_k=5, top_p=1.0, top_k_rule=rule)
+        vllm = loop.parse_args(["--top_k", "5", "--use_vllm", "True"])
+        assert harness.sampling_cut(vllm)["top_k_rule"] == sampler_top_k_rule(True)
+        assert harness.sampling_cut(loop.parse_args([])) == {}
+        assert harness.sampling_params(loop.parse_args([]))["top_k"] == 0
+    torch.manual_seed(0)
+    ids = torch.randint(4, 30, (4, 3))
+    gens = Generations(ids, torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]]))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)  # fp32, as the loops score
+    cpu, out = torch.device("cpu"), {}
+    for flags in (["--top_k", "5"], []):
+        args = grpo.parse_args(flags)
+        batch = make_batch([[5, 6], [7, 8, 9]], gens, 0)
+        plan = plan_micro_batches(batch, 2)
+        knobs = Knobs.given(args)
+        out[bool(flags)] = grpo.batch_logps(model, batch, plan, args, knobs, cpu, policy=True)
+        assert ("sampling_thresholds" in batch) == bool(flags)
+        if flags:
+            ref = grpo.batch_logps(
+                model, make_batch([[5, 6], [7, 8, 9]], gens, 0), plan, args, knobs, cpu
+            )
+    mask = gens.completion_mask.bool()
+    assert (out[True][mask] > out[False][mask]).all()
+    torch.testing.assert_close(ref, out[False])  # the reference: the full distribution

@@ -52,6 +52,7 @@ def model(tmp_path_factory):
         (["--sequence_parallel_size", "2", "--attn_implementation", "eager"], 2, "eager"),
         (["--sequence_parallel_size", "2", "--packing", "True"], 2, "--packing False"),
         (["--sequence_parallel_size", "2", "--top_p", "0.9"], 2, "--top_p 1"),
+        (["--sequence_parallel_size", "2", "--top_k", "5"], 2, "--top_k 0"),
     ],
 )
 def test_preflight_refuses_what_cannot_work(model, flags, world, says):
