@@ -4,13 +4,15 @@
   per-phase memory); resume after kill -9 is tests/test_checkpoint.py's; then a teacher, with one
   held-out prompt for two ranks.
 - ZeRO-2, vLLM generation with weight sync, reference model (beta > 0), num_iterations 2,
-  truncated importance sampling, loss_type grpo, nucleus sampling (top_p 0.8).
+  truncated importance sampling, loss_type grpo, top-k and nucleus sampling (top_k 5, top_p 0.8);
+  then HF generation with top_k 5 alone over two iterations.
 - Two nodes on loopback (two launches with NNODES=2), ZeRO-3 sharded generation, token-budget
   micro-batches packed into rows (--packing), loss_type dr_grpo, JSONL data with reward functions
   given as module:function.
 """
 
 import json
+import math
 
 import pytest
 
@@ -107,6 +109,8 @@ def test_zero2_vllm_reference_iterations(tmp_path):
         "grpo",
         "--top_p",  # nucleus sampling: the trainer scores under the nucleus vLLM sampled from
         "0.8",
+        "--top_k",  # after a top-k cut, with vLLM's CPU rule (the whole tie at the k-th value)
+        "5",
         "--save_model",
         "False",
         env={"RUN_DIR": str(tmp_path / "r"), "DS_CONFIG": "configs/zero2.json"},
@@ -120,11 +124,26 @@ def test_zero2_vllm_reference_iterations(tmp_path):
         assert r["kl"] > 0  # the second iteration has moved away from the reference
         assert r["ratio"] != 1.0  # ... and from the old policy
         # weights synced into vLLM: its log-probs of its own samples match the trainer's (both
-        # under the nucleus: the full softmax puts the gap near -log 0.8 = 0.22)
+        # under the top-k and nucleus cut: the full softmax puts the gap near -log 0.8 = 0.22)
         assert r["vllm_is_ratio"] == pytest.approx(1.0, abs=1e-3)
         assert r["vllm_is_outside_seqs"] == r["vllm_is_outside_tokens"] == 0.0  # none masked
     conftest.assert_vllm_holds_trainer_weights(rows)
     assert "held-out reward: start" in out
+
+
+def test_top_k_hf_generation_iterations(tmp_path):
+    """--top_k 5 with HF generation (transformers' top-k warper, the whole tie at the k-th value):
+    the old pass finds each token's cut and both iterations score under it."""
+    args = ["--max_steps", "2", "--top_k", "5", "--num_iterations", "2", "--save_model", "False"]
+    run_sh(*args, env={"RUN_DIR": str(tmp_path / "r")})
+    rows = train_rows(tmp_path / "r")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["mem/old_logprobs"] > 0  # the old pass ran (num_iterations 2)
+        assert math.isfinite(r["loss"]) and math.isfinite(r["ratio"])
+        assert r["ratio"] != 1.0  # the second iteration's: the policy moved
+    with open(tmp_path / "r" / "args.json") as f:
+        assert json.load(f)["top_k"] == 5
 
 
 def test_two_nodes_loopback_sharded_token_budget_jsonl(tmp_path):
