@@ -428,6 +428,12 @@ def check_sequence_parallel(args, world, config, model_path, S=None):
             f"--sequence_parallel_size {S} with --vllm_tensor_parallel_size "
             f"{args.vllm_tensor_parallel_size}: one at a time"
         )
+    if getattr(args, "max_staleness", 0):  # GRPO's asynchronous rollouts
+        raise RunError(
+            f"--sequence_parallel_size {S} with --max_staleness {args.max_staleness}: one at a "
+            "time (the rollout thread would share a group's samples beside the update's "
+            "collectives)"
+        )
 
 
 def checkpoint_config(args, world, eval_rows):
@@ -635,7 +641,10 @@ class Run:
             mine = prompt_ids if self.sp.rank == 0 else []
             with sequence_parallel.paused():  # whole sequences
                 out = self._generate(mine, num_generations, max_new_tokens)
-            return sequence_parallel.from_first(out if self.sp.rank == 0 else None)
+            # and the first rank's generator: what draws next (an environment's turn, say) alike
+            out, rng = sequence_parallel.from_first((out, torch.get_rng_state()))
+            torch.set_rng_state(rng)
+            return out
         return self._generate(prompt_ids, num_generations, max_new_tokens)
 
     def _generate(self, prompt_ids, num_generations, max_new_tokens=None):

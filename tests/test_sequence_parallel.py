@@ -37,6 +37,9 @@ def test_left_aligned_puts_each_sequence_first_and_finds_its_completion():
     assert predicted.tolist() == mb["input_ids"][:, -3:][mb["completion_mask"].bool()].tolist()
 
 
+SERVER = ["--use_vllm", "True", "--vllm_mode", "server"]  # asynchronous rollouts need a server
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A tiny Llama of 4 attention heads and 2 key/value heads."""
@@ -53,6 +56,11 @@ def model(tmp_path_factory):
         (["--sequence_parallel_size", "2", "--packing", "True"], 2, "--packing False"),
         (["--sequence_parallel_size", "2", "--top_p", "0.9"], 2, "--top_p 1"),
         (["--sequence_parallel_size", "2", "--top_k", "5"], 2, "--top_k 0"),
+        (
+            ["--sequence_parallel_size", "2", "--max_staleness", "1", *SERVER],
+            2,
+            "one at",
+        ),
     ],
 )
 def test_preflight_refuses_what_cannot_work(model, flags, world, says):
