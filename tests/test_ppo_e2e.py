@@ -4,7 +4,8 @@
   step (same data, same samples, same actor and critic weights).
 - A tiny reward model (which also initialises the critic), with packing, token-budget
   micro-batches, middle-mode generation, gradient checkpointing, frozen models offloaded to CPU,
-  eager attention, two mini-batches per pass, one held-out prompt for two ranks, top_p 0.9.
+  eager attention, two mini-batches per pass, one held-out prompt for two ranks, top_k 6 and
+  top_p 0.9.
 - LoRA on actor and critic (the reference is the actor with adapters off), when peft is installed.
 """
 
@@ -162,8 +163,10 @@ def test_zero3_reward_model_packing_offload(tmp_path):
         "False",
         "--num_eval_prompts",  # fewer than ranks: one rank scores nothing, yet joins in
         "1",
-        "--top_p",  # HF's nucleus; the old pass's cut kept, packed, for both mini-batches
-        "0.9",
+        "--top_p",  # HF's nucleus after its top-k (the whole tie at the k-th value); the old
+        "0.9",  # pass's cut kept, packed, for both mini-batches
+        "--top_k",
+        "6",
         env={"RUN_DIR": str(tmp_path / "r")},
     )
     rows = train_rows(tmp_path / "r")
@@ -177,7 +180,7 @@ def test_zero3_reward_model_packing_offload(tmp_path):
     assert rows[0]["value_mean"] != 0.0
     saved = json.load(open(tmp_path / "r" / "args.json"))
     assert saved["packing"] is True and saved["max_tokens_per_microbatch"] == 24
-    assert saved["generation_resident_gb"] == 0.0001
+    assert saved["generation_resident_gb"] == 0.0001 and saved["top_k"] == 6
 
 
 def test_zero3_lora(tmp_path):
