@@ -264,16 +264,17 @@ def test_reward_modules_from_the_users_directory(tmp_path, monkeypatch):
     """`module.function` (TRL's dotted name) and `module:function` find a module in the directory
     run.sh was run from (LEAN_RL_USER_DIR), searched last: a file there named as one of the
     repository's modules does not hide it."""
-    (tmp_path / "myrewards.py").write_text(
+    # a name no other test imports: the module stays in sys.modules after the test
+    (tmp_path / "trl_user_rewards.py").write_text(
         "def longer(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
     )
     (tmp_path / "rewards.py").write_text("math_reward = None\n")  # the repository's name
     monkeypatch.setenv(USER_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    for name in ("myrewards", "rewards"):
+    for name in ("trl_user_rewards", "rewards"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     dotted, colon, repo = load_reward_funcs(
-        "myrewards.longer, myrewards:longer, rewards.math_reward"
+        "trl_user_rewards.longer, trl_user_rewards:longer, rewards.math_reward"
     )
     assert dotted is colon and dotted(["ab"]) == [2.0]
     assert sys.modules["rewards"].__file__ == os.path.join(ROOT, "rewards.py")
