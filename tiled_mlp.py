@@ -22,10 +22,11 @@ ZeRO-2/3 reduce each gradient once.
 import math
 import types
 
-import torch
 import torch.distributed as dist
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from zero3_utils import all_max
 
 
 def _is_mlp(module):
@@ -53,9 +54,7 @@ def _tiled_forward(self, x):
     params = list(self.parameters())
     if dist.is_initialized() and any(_gathered_per_call(p) for p in params):
         # ZeRO-3: every tile gathers the MLP's weights, so every rank runs as many tiles
-        n = torch.tensor([shards], device=x.device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        shards = int(n.item())
+        shards = all_max(shards)
     trained = [p for p in params if p.requires_grad]
     # the class's forward (this instance's is this function), called on each tile
     return TiledMLP.apply(type(self).forward, self, x, shards, trained)

@@ -27,7 +27,6 @@ HELPERS = {
     ("zero3_utils.py", "all_reduce_"): "copies to comm_device() and back",
     ("zero3_utils.py", "all_cat"): "gathers on comm_device(), returns on the CPU",
     ("sequence_parallel.py", "forward"): "gathers slices where the model computes them (its GPU)",
-    ("tiled_mlp.py", "_tiled_forward"): "a tile count on the activations' device (its GPU)",
 }
 NAMED = {
     "all_reduce",
