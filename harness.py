@@ -524,9 +524,12 @@ class Run:
             inputs = preflight(args, self.rank, self.world, models, self.say, check)
         self.__dict__.update(vars(inputs))
         os.makedirs(args.run_dir, exist_ok=True)  # the pre-flight wrote nothing (a built-in model)
-        if args.overwrite and self.rank == 0:
-            clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
-        dist.barrier()  # every rank has checked run_dir (check_new_run) before rank 0 writes to it
+        # every rank has read run_dir (check_new_run, check_disk) before rank 0 clears or writes it
+        dist.barrier()
+        if args.overwrite:
+            if self.rank == 0:
+                clear_run(args.run_dir)  # an earlier run's checkpoints, metrics and final model
+            dist.barrier()  # and no rank reads run_dir while rank 0 clears it
         if self.knobs.sequence_parallel_size > 1:  # groups of S ranks share each sequence
             self.sp = sequence_parallel.init(self.knobs.sequence_parallel_size)
             sequence_parallel.install(args.attn_implementation)
