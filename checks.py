@@ -1,15 +1,15 @@
-"""Fail early and once: the pre-flight, every input of a run checked before any model is loaded or
-any step is taken, each failure one message that says what to change (RunError, exit 2; exits.py
-prints it and ends the process with the code).
+"""Fail early and once: the checks of a run's inputs, before any model is loaded or any step is
+taken, each failure one message that says what to change (RunError, exit 2; exits.py prints it
+and ends the process with the code).
 
-    found = check_inputs(args, rank, reward_model, env, teacher)  # harness.preflight, with
-    check_vllm(...), check_global_batch(...), check_ds_config(...), ...  # the rest of its pass
-    check_disk(args, run_writes(args, config, stage, dtype, models))   # last: the disk
+    found = check_inputs(args, rank, reward_model, env, teacher)  # preflight.preflight, with
+    check_vllm(...), check_attn_implementation(...), ...           # the rest of its pass
 
-run.sh runs the pre-flight in one process before any rank begins (`--preflight True`), so bad input
-gets exit 2 from run.sh and no torchrun summary. Imports exits.py (RunError), tasks.py, data.py and
-batching.py (check_inputs: the inputs both loops share), zero3_load.py (a checkpoint's files),
-checkpoint.py and estimate.py (what a run writes: a checkpoint's size, parameter counts).
+The data, the models and their weights, the tokenizer (unknown tokens, stop ids, templates), the
+reward functions probed on real prompts, attention, vLLM. preflight.py runs them in its one pass,
+with the DeepSpeed JSON's checks (ds_json.py) and the disk. Imports exits.py (RunError), tasks.py,
+data.py and batching.py (check_inputs: the inputs both loops share), ds_json.py (the JSON read
+first), zero3_load.py (a checkpoint's files).
 """
 
 import collections
@@ -18,20 +18,13 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import sys
 
 import torch
 
 from batching import encode_prompts, stop_token_ids, template_kwargs
-from checkpoint import (
-    CLEARED_DIRS,
-    CLEARED_FILES,
-    checkpoint_bytes,
-    checkpoints_added,
-)
 from data import eval_count, held_out_warning, row_name, shuffled_rows, size_problem
-from estimate import lora_params, model_shape
+from ds_json import read_ds_json
 from exits import RunError
 from tasks import TASK_CHARS, exact_match_reward, reward_functions, score_completions, task_model
 from zero3_load import checkpoint_files, local_dir
@@ -611,126 +604,6 @@ def check_vllm(use_vllm, tensor_parallel_size, world, mode="colocate"):
         )
 
 
-def check_global_batch(raw, path, world, group_size):
-    """A concrete train_batch_size in the DeepSpeed JSON (sequences per optimizer step over all
-    ranks) must hold whole groups (group_size completions of one prompt live on one rank) on every
-    rank."""
-    total = raw.get("train_batch_size")
-    if not isinstance(total, int):
-        return
-    for n, what in (
-        (group_size, f"--num_generations {group_size} (a prompt's completions stay together)"),
-        (world, f"the world size {world}"),
-        (world * group_size, "world size x num_generations"),
-    ):
-        if total % n:
-            raise RunError(
-                f"--ds_config {path}: train_batch_size {total} does not divide by {what}; set it "
-                "to "
-                f'"auto" (filled from --prompts_per_rank x num_generations x world size) or to a '
-                f"multiple of {world * group_size}"
-            )
-
-
-SUPPORTED_DS = (
-    'ZeRO stage 0, 1, 2 or 3; bf16 ("bf16": {"enabled": "auto"}) or fp32, no '
-    "fp16 or amp; offload_optimizer (stage >= 1) and offload_param (stage 3) to "
-    '"cpu" or "none"; no ZeRO++ quantization, hpZ or MiCS'
-)
-DS_OFF = {  # ZeRO options this project leaves off, and their off values
-    "zero_quantized_weights": (None, False),
-    "zero_quantized_nontrainable_weights": (None, False),
-    "zero_quantized_gradients": (None, False),
-    "zero_hpz_partition_size": (None, 0, 1),
-    "mics_shard_size": (None, -1, 0),
-}
-
-
-def read_ds_json(path):
-    """The DeepSpeed JSON as a dict, or a RunError: unreadable, not JSON, not an object, or asking
-    for something this project does not support (check_ds_support)."""
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except OSError as e:
-        raise RunError(
-            f"--ds_config {path}: cannot read it ({e.strerror}); see configs/*.json"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f"line {e.lineno}: {e.msg}" if isinstance(e, json.JSONDecodeError) else str(e)
-        raise RunError(f"--ds_config {path}: not valid JSON ({where})") from None
-    check_ds_support(raw, path)
-    return raw
-
-
-def check_ds_support(cfg, path):
-    """What the loops and zero3_utils are written and tested for (SUPPORTED_DS); anything else is a
-    RunError. fp16: DeepSpeed's dynamic loss scaling skips steps by design, which StepGuard takes
-    for divergence, and the loops load models in bf16 or fp32. nvme offload, ZeRO++ (quantized
-    weights or gradients, hpZ) and MiCS change how parameters are held: never run here."""
-
-    def refuse(what):
-        raise RunError(
-            f"--ds_config {path}: {what} is not supported; this project runs "
-            f"{SUPPORTED_DS} (see configs/*.json)"
-        )
-
-    if not isinstance(cfg, dict):
-        raise RunError(
-            f"--ds_config {path}: the JSON is a {type(cfg).__name__}, not an object "
-            f"{{...}}; see configs/*.json"
-        )
-    for section in ("fp16", "amp"):
-        if isinstance(cfg.get(section), dict) and cfg[section].get("enabled", False) is not False:
-            refuse(f'"{section}" enabled ({cfg[section]["enabled"]!r})')
-    zero = cfg.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        refuse(f"zero_optimization as a {type(zero).__name__}")
-    stage = zero.get("stage", 0)
-    if type(stage) is not int or stage not in (0, 1, 2, 3):
-        refuse(f"zero_optimization.stage {stage!r}")
-    for key, min_stage in (("offload_optimizer", 1), ("offload_param", 3)):
-        section = zero.get(key)
-        if section is None:
-            continue
-        device = section.get("device", "none") if isinstance(section, dict) else section
-        if device not in ("none", "cpu"):
-            refuse(f"zero_optimization.{key} device {device!r}")
-        if device == "cpu" and stage < min_stage:
-            refuse(f"zero_optimization.{key} under stage {stage}")
-    for key, off in DS_OFF.items():
-        if zero.get(key) not in off:
-            refuse(f"zero_optimization.{key} {zero[key]!r}")
-
-
-def check_ds_config(load, path, per_step_desc):
-    """Read the JSON (read_ds_json) and run `load()` (zero3_utils.load_ds_config with the CLI's
-    values): its ValueError, which says which value of the JSON contradicts which argument, becomes
-    a RunError naming the file. Then DeepSpeed's own check of the filled zero_optimization section
-    (a misspelt key, a wrong type) runs here rather than in deepspeed.initialize on every rank."""
-    read_ds_json(path)
-    try:
-        cfg = load()
-    except ValueError as e:
-        raise RunError(
-            f"--ds_config {path} contradicts the command line: {e}. This run takes "
-            f"{per_step_desc}; "
-            f'leave such values "auto" in the JSON and set them with the script\'s arguments'
-        ) from None
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-    try:
-        DeepSpeedZeroConfig(**cfg.get("zero_optimization", {}))
-    except ValueError as e:  # pydantic's ValidationError
-        first = e.errors()[0] if hasattr(e, "errors") else {"loc": (), "msg": str(e)}
-        where = ".".join(str(k) for k in first["loc"])
-        raise RunError(
-            f"--ds_config {path}: zero_optimization.{where}: {first['msg']} "
-            f"(DeepSpeed's own check); see configs/*.json"
-        ) from None
-    return cfg
-
-
 def probe_rewards(score, rows, num_generations=2, hint=""):
     """Call the reward functions once on a few real prompts (completions: the answer, and an empty
     one), so one that raises, miscounts or returns NaN fails now, named, instead of at step 1 on
@@ -747,115 +620,3 @@ def probe_rewards(score, rows, num_generations=2, hint=""):
 
 
 # ---- Disk: what a run writes, against what its filesystem holds ---------------------------------
-LOG_BYTES = 16 * 2**20  # metrics, sources, curves, the built-in task's tiny model: beside the rest
-
-
-def dtype_bytes(dtype):
-    """Bytes per element of a torch dtype or its name (bf16 and fp16: 2; anything else: 4)."""
-    return 2 if str(dtype).removeprefix("torch.") in ("bfloat16", "float16") else 4
-
-
-def run_writes(args, config, stage, dtype, models, start_step=0, existing=0):
-    """[(what, bytes)]: what the run writes into --run_dir, estimated from the parameter counts
-    (estimate.model_shape, LoRA's estimate.lora_params) in the training dtype: its checkpoints at
-    their peak (checkpoint.checkpoint_bytes x checkpoints_added; `existing`: those a resumed run
-    has already), the final model (LoRA: the adapter, and the merged model with --save_merged),
-    and rm.py's reward model to start from when it is built from --model (init/, in --model's own
-    dtype). None when the config cannot be sized (not a Llama/Qwen-style decoder)."""
-    try:
-        s = model_shape(config)
-    except (ValueError, OSError):
-        return None
-    b = dtype_bytes(dtype)
-    body = s["N"] - (0 if s["tied"] else s["V"] * s["H"])  # the decoder without its lm_head
-    lora = lora_params(config, args.lora_r, args.lora_target_modules) if args.lora_r else 0
-
-    def engine(n, head=0):  # (trained, frozen): LoRA trains the adapters (and a new head)
-        return (lora + head, n) if lora else (n + head, 0)
-
-    if models.get("pairs"):  # rm.py: the reward model (a body and a one-label score head)
-        policy, engines = body + s["H"], [engine(body, s["H"])]
-    else:
-        policy, engines = s["N"], [engine(s["N"])]
-    if models.get("critic"):  # PPO: a body (the policy's, or the reward model's) and a value head
-        from_rm = models["critic"] == "reward_model"
-        c = (
-            model_shape(check_model_path(models["reward_model"], "--reward_model"))
-            if from_rm
-            else s
-        )
-        engines.append(engine(c["N"] - (0 if c["tied"] else c["V"] * c["H"]), c["H"]))
-    n = checkpoints_added(
-        start_step, args.max_steps, args.save_steps, args.save_last, args.save_total_limit, existing
-    )
-    out = []
-    if n:
-        one = checkpoint_bytes(engines, stage, b, lora)
-        out.append((f"{n} checkpoint{'s' * (n > 1)} of {size(one)}", n * one))
-    if args.save_model and args.max_steps:
-        if lora:
-            out.append(("the LoRA adapter (final/)", b * lora))
-        if args.save_merged or not lora:
-            out.append((f"the {'merged ' * bool(lora)}final model", b * policy))
-    init = os.path.join(args.run_dir, "init", "config.json")
-    if models.get("pairs") and args.model and not os.path.exists(init):
-        given = check_model_path(args.model)
-        if not is_reward_model(given):
-            stored = getattr(given, "dtype", None) or getattr(given, "torch_dtype", None)
-            out.append(("the reward model to start from (init/)", dtype_bytes(stored) * policy))
-    return out
-
-
-def size(n):
-    """Bytes as GiB, or MiB under one GiB."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def check_disk(args, writes, free=None, say=print):
-    """Say what the run writes (run_writes) and refuse, before step 1, a run that its run_dir's
-    filesystem cannot hold: a RunError saying what to write less. free: the free bytes there
-    (default: shutil.disk_usage of run_dir's nearest existing directory, plus what --overwrite
-    True will delete first)."""
-    if writes is None:
-        return
-    need = sum(n for _, n in writes) + LOG_BYTES
-    where = os.path.abspath(args.run_dir)
-    if free is None:
-        top = where
-        while not os.path.exists(top):
-            top = os.path.dirname(top)
-        free = shutil.disk_usage(top).free + (cleared_bytes(args.run_dir) if args.overwrite else 0)
-    what = ", ".join(
-        f"{name} {size(n)}" if "checkpoint" not in name else name for name, n in writes
-    )
-    line = f"about {size(need - LOG_BYTES)} ({what or 'no model'}; {size(LOG_BYTES)} more for logs)"
-    if need <= free:
-        say(f"disk: the run writes {line} to {args.run_dir}; {size(free)} free there")
-        return
-    less = []
-    if any("checkpoint" in name for name, _ in writes):
-        if args.save_total_limit != 1:
-            less.append("--save_total_limit 1 keeps the newest checkpoint only")
-        if args.save_last:
-            less.append("--save_last False saves none at the end (the run cannot be extended)")
-        if args.save_steps:
-            less.append(f"a --save_steps above {args.save_steps} saves less often")
-    if args.save_model and args.max_steps:
-        less.append("--save_model False writes no final model")
-    if args.lora_r and args.save_merged and args.save_model:
-        less.append("--save_merged False keeps the adapter alone")
-    less = f", or write less: {'; '.join(less)}" if less else ""
-    raise RunError(
-        f"--run_dir {args.run_dir}: the run would write {line}, and its filesystem has "
-        f"{size(free)} free: free space there or give another --run_dir{less}"
-    )
-
-
-def cleared_bytes(run_dir):
-    """Bytes of what checkpoint.clear_run (--overwrite True) removes from run_dir."""
-    paths = [os.path.join(run_dir, n) for n in CLEARED_DIRS + CLEARED_FILES]
-    files = [p for p in paths if os.path.isfile(p)]
-    files += [
-        os.path.join(r, f) for p in paths if os.path.isdir(p) for r, _, fs in os.walk(p) for f in fs
-    ]
-    return sum(os.path.getsize(f) for f in files if not os.path.islink(f))

@@ -42,11 +42,13 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-from checks import check_model_path, read_ds_json, training_dtype
-from estimate import PRESETS, describe, estimate_memory, format_table, lora_params, model_shape
+from checks import check_model_path, training_dtype
+from ds_json import read_ds_json
+from estimate import describe, estimate_memory, format_table
 from exits import RunError
 from logprobs import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE
 from memory import GB
+from shapes import PRESETS, heads_split, lora_params, model_shape
 from tasks import TASK_CHARS
 from tiny_models import llama_config
 from zero3_utils import all_max, all_reduce_
@@ -512,19 +514,11 @@ def _ladder(args, knobs, kw, gpu=True):
     if not kw["tiled_mlp"]:
         out.append(("tiled MLP", {"tiled_mlp": True}, {"tiled_mlp": True}))
     sp = 2 * kw["sequence_parallel_size"]  # the costliest: all-to-alls in every layer
-    if sp <= kw["world_size"] and sequence_parallel_fits(kw["model_config"], kw["world_size"], sp):
+    if kw["world_size"] % sp == 0 and heads_split(kw["model_config"], sp) is None:
         out.append(
             ("sequence parallel", {"sequence_parallel_size": sp}, {"sequence_parallel_size": sp})
         )
     return out
-
-
-def sequence_parallel_fits(config, world, size):
-    """Whether `size` ranks can share every sequence of a model of this config (DeepSpeed
-    Ulysses, deepspeed 0.19.8 UlyssesSPAttentionHF: the query heads split evenly, the key-value
-    heads split or are replicated) within a world of `world` ranks."""
-    s = model_shape(config)
-    return world % size == 0 and s["h"] % size == 0 and (s["k"] % size == 0 or size % s["k"] == 0)
 
 
 def fit_to_budget(args, world, models, say=print):

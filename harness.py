@@ -1,5 +1,5 @@
 """The run both loops share, called by the loop and never calling it: the fields both `Args` have,
-parsing with recipes, the pre-flight, the DeepSpeed config, models and engines, the generation
+parsing with recipes, the pre-flight's call (preflight.py), models and engines, the generation
 glue, held-out evaluation given a sampling function, and `Run`, this rank's run state.
 
     args = parse(Args, RECIPES, argv)                  # the configuration as given
@@ -17,18 +17,13 @@ glue, held-out evaluation given a sampling function, and `Run`, this rank's run 
 lives here, never on `args`: `run.stop_ids`, `run.template_kwargs`, `run.funcs` / `run.weights`
 (the reward functions), and `run.knobs`, the memory knobs in effect (fit.Knobs: as given, or as
 --memory_budget_gb fitted them before the first step and moves them between steps).
-The pre-flight is one pass: every input checked, then the memory estimate and the fit, then the
-DeepSpeed config, the resume check and the disk (checks.check_disk). run.sh runs it in one process
-first (`--preflight True`), which writes nothing.
+The pre-flight (preflight.py) is one pass on every rank before a model loads: every input checked,
+then the memory estimate and the fit, then the DeepSpeed config, the resume check and the disk.
+run.sh runs it in one process first (`--preflight True`), which writes nothing.
 """
 
-import contextlib
-import json
-import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -45,30 +40,15 @@ from build_locks import clear_stale_build_locks
 from checkpoint import (
     StopOnSignal,
     Stopped,
-    check_new_run,
-    check_resume,
     clear_run,
     latest_checkpoint,
     load_checkpoint,
-    run_config,
     save_checkpoint,
-    step_dirs,
 )
-from checks import (
-    check_attn_implementation,
-    check_disk,
-    check_ds_config,
-    check_global_batch,
-    check_inputs,
-    check_partitioned_loading,
-    check_vllm,
-    read_ds_json,
-    reward_line,
-    run_writes,
-    training_dtype,
-)
+from checks import check_attn_implementation
+from ds_json import deepspeed_config
 from exits import RunError
-from fit import MEMORY_KNOBS, OOM_HINTS, KnobAdapter, estimate_run_memory, fit_to_budget
+from fit import OOM_HINTS, KnobAdapter
 from generation import (
     attn_implementation_for,
     generate_hf,
@@ -78,17 +58,17 @@ from generation import (
 from guard import StepGuard
 from logprobs import DEFAULT_CHUNK_SIZE
 from memory import MemoryLedger
+from preflight import checkpoint_config, default_run_dir, nothing_left_if_refused, preflight
 from recipes import apply_recipe
 from runlog import RunLog
 from tasks import pass_at_k, score_completions, solved_mask
 from tiled_mlp import tile_mlps
-from vllm_server import vllm_generator, write_server_settings
+from vllm_server import vllm_generator
 from zero3_load import enable_gradient_checkpointing, load_model
 from zero3_utils import (
     from_rank0,
     frozen_config,
     frozen_engine,
-    load_ds_config,
     save_adapter,
     save_hf,
     set_data_group,
@@ -264,116 +244,7 @@ def parse(args_class, recipes, argv=None):
     return args
 
 
-# ---- The pre-flight: every input, then the estimate and the fit, then DeepSpeed's JSON -----------
-def deepspeed_config(args, knobs, world, hidden_size, dtype, lr, mini_batches=1):
-    """The DeepSpeed JSON for one trained model with its "auto" values filled from the arguments
-    (a concrete value that contradicts them is a ValueError from zero3_utils.load_ds_config);
-    mini_batches: optimizer steps per rollout batch (PPO's num_mini_batches)."""
-    with open(args.ds_config) as f:
-        raw = json.load(f)  # read_ds_json and check_global_batch passed in the pre-flight
-    rank_batch = args.prompts_per_rank * args.num_generations / mini_batches  # per optimizer step
-    fill = {
-        "train_micro_batch_size_per_gpu": knobs.per_device_train_batch_size,
-        "gradient_accumulation_steps": math.ceil(rank_batch / knobs.per_device_train_batch_size),
-        "gradient_clipping": args.max_grad_norm,
-        "bf16.enabled": dtype == torch.bfloat16,
-        "optimizer.params.lr": lr,
-        "optimizer.params.weight_decay": args.weight_decay,
-    }
-    # the JSON's own sections, and bf16 always: a JSON without one would load the models in bf16
-    # while DeepSpeed trains them as fp32, which at stage 0 steps the bf16 weights with no fp32
-    # master copy (deepspeed 0.19.8 DeepSpeedEngine._do_optimizer_sanity_check: the basic optimizer)
-    sections = {*raw, "bf16"}
-    fill = {k: v for k, v in fill.items() if "." not in k or k.split(".")[0] in sections}
-    return load_ds_config(raw, world_size=world, hidden_size=hidden_size, **fill)
-
-
-@dataclass
-class Inputs:
-    """What the pre-flight read and checked: derived from Args, never written onto it."""
-
-    train_rows: list
-    eval_rows: list
-    model_path: str
-    config: object  # the policy's transformers config
-    tokenizer: object
-    stop_ids: list  # eos ids and the chat template's end of turn
-    template_kwargs: dict  # --chat_template_kwargs, parsed
-    funcs: list  # reward functions and their weights ([] with a reward model)
-    weights: list
-    dtype: torch.dtype
-    ds_config: dict  # resolved, for the policy's learning rate
-    knobs: object  # fit.Knobs: the memory knobs in effect
-
-
-def preflight(args, rank, world, models, say=print, check=None, build_dir=None):
-    """Every input checked before a model loads or a step runs, each failure a RunError saying what
-    to change, in one pass: the inputs (run_dir, vLLM, data, models, tokenizer, rewards, whole
-    groups in the JSON's batch), then the memory estimate and the fit (--memory_budget_gb,
-    fit.py), then the DeepSpeed JSON with the fitted knobs, the resume, and what the run writes
-    against its disk. `models`: what the loop builds beside the policy (fit.py). check(args,
-    rank, build_dir) -> Inputs' fields up to weights: the loop's own input check, for rows that
-    are not prompts; None: the prompts, rewards and models that checks.check_inputs checks.
-    build_dir: where the built-in task's model is built (default run_dir; before_torchrun: a
-    scratch directory)."""
-    # before anything is written there
-    check_new_run(args.run_dir, args.resume, args.overwrite, evaluate=not args.max_steps)
-    check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
-    beside = [models.get(k, "") for k in ("reward_model", "env", "teacher")]
-    found = (
-        check(args, rank, build_dir)
-        if check
-        else check_inputs(args, rank, *beside, build_dir=build_dir)
-    )
-    if line := reward_line(args, found["funcs"], found["weights"], models.get("reward_model")):
-        say(line)  # among the run's first lines: what it is trained to do
-    dtype = training_dtype(args.dtype)
-    mini = models.get("mini_batches", 1)  # whole groups on every rank in each optimizer step
-    check_global_batch(
-        read_ds_json(args.ds_config), args.ds_config, world * mini, args.num_generations
-    )
-    knobs, _ = fit_to_budget(args, world, models, say)  # the knobs as given, or fitted
-    vocab = getattr(found["config"], "vocab_size", None)
-    if vocab and args.top_k > vocab:  # vLLM refuses it per request; the cut would keep every token
-        raise RunError(f"--top_k {args.top_k} is above the model's {vocab} tokens: at most {vocab}")
-    if knobs.sequence_parallel_size > 1:  # as given, or the fit's rung
-        S = knobs.sequence_parallel_size
-        check_sequence_parallel(args, world, found["config"], found["model_path"], S)
-    ds = check_ds_config(
-        lambda: deepspeed_config(
-            args, knobs, world, found["config"].hidden_size, dtype, args.learning_rate, mini
-        ),
-        args.ds_config,
-        f"{world} ranks x {args.prompts_per_rank} prompts x {args.num_generations} completions "
-        f"in {mini} optimizer step(s) per pass, micro-batches of "
-        f"{knobs.per_device_train_batch_size}",
-    )
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if knobs.frozen_offload and stage != 3:
-        raise RunError(f"--frozen_offload needs ZeRO-3 ({args.ds_config} has stage {stage})")
-    if args.partitioned_loading and stage == 3:  # safetensors
-        paths = [("--model", found["model_path"]), ("--reward_model", models.get("reward_model"))]
-        paths.append(("--teacher_model", models.get("teacher")))
-        check_partitioned_loading([(flag, path) for flag, path in paths if path])
-    saved = existing = 0  # the step a resumed run starts from, the checkpoints it has
-    if args.resume:  # before any model loads: a checkpoint exists and was saved with this config
-        config = checkpoint_config(args, world, found["eval_rows"])
-        path = check_resume(os.path.join(args.run_dir, "checkpoints"), config, MEMORY_KNOBS)
-        saved = int(os.path.basename(path).removeprefix("step"))
-        existing = len(step_dirs(os.path.dirname(path)))
-        if args.max_steps < saved:  # equal: a run stopped after its last save ends again
-            raise RunError(
-                f"--resume: {path} is at step {saved}, past --max_steps {args.max_steps}: pass "
-                f"--max_steps {saved} or more (more extends the run)"
-            )
-    # what the checkpoints and the final model take, against the free space, before step 1
-    writes = run_writes(args, found["config"], stage, dtype, models, saved, existing)
-    check_disk(args, writes, say=say)
-    return Inputs(**found, dtype=dtype, ds_config=ds, knobs=knobs)
-
-
-# attention that reads packed sequences from the position ids (Ulysses drops the mask)
-PACKED_ATTENTION = ("flash_attention_2",)
+# ---- How the policy samples, and the engine as the loops run it ---------------------------------
 
 
 def sampling_params(args):
@@ -390,106 +261,6 @@ def sampling_cut(args):
     return dict(top_k=args.top_k, top_p=args.top_p, top_k_rule=sampler_top_k_rule(args.use_vllm))
 
 
-def check_sequence_parallel(args, world, config, model_path, S=None):
-    """--sequence_parallel_size S > 1 (S: the fitted size, default the flag's): what cannot work,
-    refused before a model loads."""
-    S, attn = S or args.sequence_parallel_size, args.attn_implementation
-    if world % S:
-        raise RunError(
-            f"--sequence_parallel_size {S} does not divide the {world} ranks: use a divisor of "
-            f"{world} (groups of S ranks share each sequence)"
-        )
-    if attn_implementation_for(model_path, attn) == "eager" or attn == "eager":
-        raise RunError(
-            f"--sequence_parallel_size {S} needs sdpa or flash_attention_2 attention; eager (this "
-            "model's or --attn_implementation's) builds a (T, T) mask that sequence parallelism "
-            "drops: use --attn_implementation sdpa, or --sequence_parallel_size 1"
-        )
-    why = sequence_parallel.check_heads(config, S)
-    if why:
-        raise RunError(
-            f"--sequence_parallel_size {S}: the model cannot split its attention over {S} ranks "
-            f"({why}): use a size that divides its heads"
-        )
-    if args.packing and attn not in PACKED_ATTENTION:
-        raise RunError(
-            f"--sequence_parallel_size {S} with --packing True needs an attention that reads "
-            f"packed sequences from their position ids ({', '.join(PACKED_ATTENTION)}); {attn} "
-            "would let packed sequences attend to each other: --packing False (one sequence "
-            "per micro-batch) or --attn_implementation flash_attention_2"
-        )
-    if args.top_p < 1 or args.top_k > 0:
-        raise RunError(
-            f"--sequence_parallel_size {S} scores under the full distribution: --top_p 1 and "
-            "--top_k 0 (its sampler's cut is not sliced yet), or --sequence_parallel_size 1"
-        )
-    if args.use_vllm and args.vllm_tensor_parallel_size > 1:
-        raise RunError(
-            f"--sequence_parallel_size {S} with --vllm_tensor_parallel_size "
-            f"{args.vllm_tensor_parallel_size}: one at a time"
-        )
-    if getattr(args, "max_staleness", 0):  # GRPO's asynchronous rollouts
-        raise RunError(
-            f"--sequence_parallel_size {S} with --max_staleness {args.max_staleness}: one at a "
-            "time (the rollout thread would share a group's samples beside the update's "
-            "collectives)"
-        )
-
-
-def checkpoint_config(args, world, eval_rows):
-    """checkpoint.run_config with --num_eval_prompts as the count it came to (-1, the default, is a
-    fifth of the rows): the held-out split, and so the training rows, a resume must match."""
-    return {**run_config(args, world), "num_eval_prompts": len(eval_rows)}
-
-
-@contextlib.contextmanager
-def nothing_left_if_refused(run_dir):
-    """A refused run creates nothing: on any exception, the outermost directory of run_dir that
-    did not exist before is removed (the pre-flight builds the built-in task's model in
-    run_dir/model), or else run_dir/model when only it is new. One process only: another rank may
-    still be reading the model."""
-    top, path = None, os.path.abspath(run_dir)
-    while not os.path.exists(path):
-        top, path = path, os.path.dirname(path)
-    model = os.path.join(run_dir, "model")
-    new_model = not os.path.exists(model)
-    try:
-        yield
-    except BaseException:
-        if top is not None:
-            shutil.rmtree(top, ignore_errors=True)
-        elif new_model:
-            shutil.rmtree(model, ignore_errors=True)
-        raise
-
-
-def before_torchrun(args, models, check=None):
-    """--estimate_memory (the per-phase table) or --preflight (the checks, `check` as in
-    preflight): one process, no group, no weights; run.sh runs these before any rank begins. A
-    refusal leaves nothing behind."""
-    if args.estimate_memory:
-        return estimate_run_memory(args, models)
-    args.run_dir = args.run_dir or default_run_dir(args)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    server = args.use_vllm and args.vllm_mode == "server"
-    # nothing written: the built-in task's model built aside and removed, unless a vLLM server
-    # (run.sh's VLLM_DEVICES) is to start from it, with the settings it is started with
-    with nothing_left_if_refused(args.run_dir), tempfile.TemporaryDirectory() as scratch:
-        build_dir = None if server else scratch
-        inputs = preflight(args, 0, world, models, check=check, build_dir=build_dir)
-    if server:
-        write_server_settings(args, inputs.config, inputs.dtype)
-    print(f"preflight: {args.ds_config}, data, models, tokenizer and rewards are fine")
-
-
-def default_run_dir(args):
-    """runs/<algo>-<time> for an empty --run_dir (run.sh names it the same way): the entry
-    script's name (grpo, ppo) and the time now."""
-    script = getattr(sys.modules[type(args).__module__], "__file__", None) or "run"
-    algo = os.path.splitext(os.path.basename(script))[0]
-    return os.path.join("runs", f"{algo}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
 def without_lone_allreduce(engine):
     """The training engine as the loops run it: on one rank at ZeRO-0, DeepSpeed's backward
     gradient all-reduce turned off (it would only copy every gradient into one flat buffer: 0.32
@@ -502,7 +273,7 @@ def without_lone_allreduce(engine):
 
 # ---- The run on this rank --------------------------------------------------------------------
 class Run:
-    """This rank's run: the process group, the checked inputs (`Inputs`' fields are its
+    """This rank's run: the process group, the checked inputs (preflight.Inputs' fields are its
     attributes; `check`: the loop's own input check, as in preflight), the run dir; after
     start(), the checkpoints, the run log, the memory ledger, the step guard, the knob adapter
     and the signal handler. The loop calls it; it calls no loop."""

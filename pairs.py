@@ -252,7 +252,7 @@ def check_pairs(args, rank, build_dir=None):
     """rm.py's inputs, checked before any step (rm.py hands it to harness.Run as its input check,
     `check`): the pairs (every problem in one message, before anything is written), then the
     reward model to start from, its tokenizer (eos, pad) and config, the prompts through the chat
-    template. build_dir: as reward_model_start's. Returns harness.Inputs' fields: train_rows and
+    template. build_dir: as reward_model_start's. Returns preflight.Inputs' fields: train_rows and
     eval_rows are pairs."""
     fields = (args.prompt_field, args.chosen_field, args.rejected_field, args.margin_field)
     try:

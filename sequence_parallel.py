@@ -124,20 +124,6 @@ def _ulysses(core, query, key):
     return _ULYSSES[shape]
 
 
-def check_heads(config, size):
-    """None, or why a model of this config cannot split over `size` ranks (Ulysses splits the
-    attention heads: their number must divide by S; key/value heads must divide by S or S by
-    them, which replicates them)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    if heads % size:
-        return f"its {heads} attention heads do not divide by {size}"
-    if kv % size and size % kv:
-        return f"its {kv} key/value heads and {size} do not divide one another"
-    return None
-
-
 def from_first(obj):
     """A picklable `obj` as the group's first rank holds it, on every rank of the group (rollouts
     and rewards: sampled once per group, the same on all its ranks)."""

@@ -1,5 +1,5 @@
 """Will it fit on my GPU? On paper: what `--estimate_memory True --gpu_gb N` prints
-(fit.fit_for_gpu), for GRPO at the Qwen2.5 0.5B / 1.5B / 7B shapes (estimate.PRESETS: the sizes
+(fit.fit_for_gpu), for GRPO at the Qwen2.5 0.5B / 1.5B / 7B shapes (shapes.PRESETS: the sizes
 of their published config.json, no download), full fine-tune and LoRA, on one GPU of 24, 48 or
 80 GB. Every figure is the estimate's; none was measured on a GPU.
 

@@ -167,13 +167,14 @@ def longest_completion(model, gpus, knobs, gpu_gb=80.0, prompt=512, step=1024):
     the GPUs and heads allow. Returns (tokens, at most CAP, or 0; the degree)."""
     sys.path.insert(0, ROOT)
     from estimate import estimate_memory
-    from fit import HIGH_WATER, sequence_parallel_fits
+    from fit import HIGH_WATER
     from memory import GB
+    from shapes import heads_split
 
     kw = dict(knobs)
     sp = 1
     if kw.pop("sp", False):
-        sp = max(p for p in (1, 2, 4, 8) if p <= gpus and sequence_parallel_fits(model, gpus, p))
+        sp = max(p for p in (1, 2, 4, 8) if gpus % p == 0 and heads_split(model, p) is None)
     kw.update(
         world_size=gpus,
         zero_stage=3,

@@ -1,5 +1,5 @@
 """The one-GPU scale run: 3 GRPO steps of grpo.py itself at the Qwen2.5 0.5B / 1.5B / 3B / 7B shapes
-(random weights from estimate.PRESETS: no download), bf16, ZeRO-3 with the optimizer offloaded to
+(random weights from shapes.PRESETS: no download), bf16, ZeRO-3 with the optimizer offloaded to
 CPU, gradient checkpointing, HF generation, 8 generations x 1024 completion tokens; fused log-probs
 (logprobs.py) and, for contrast, naive ones (full (B, C, V) logits + log_softmax,
 bench/naive_grpo.py). Each run's ledger peaks per phase (metrics.jsonl `mem/<phase>`) go beside
@@ -53,7 +53,7 @@ def build_model(shape, dtype, out):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from estimate import PRESETS
+    from shapes import PRESETS
     from tasks import TASK_CHARS
     from tiny_models import build_tokenizer
 
@@ -141,8 +141,9 @@ def estimate(shape, args, cfg, impl):
     """estimate.py's predicted GB per phase for the same run."""
     import torch
 
-    from estimate import PRESETS, estimate_memory
+    from estimate import estimate_memory
     from memory import GB
+    from shapes import PRESETS
 
     cuda = torch.cuda.is_available()
     est = estimate_memory(

@@ -281,14 +281,14 @@ def assert_adapter_is_the_merged_model(run, checkpoint_adapter):
 
 
 def assert_writes_as_estimated(run, loop, argv, step):
-    """checks.run_writes (the pre-flight's disk check) from the run's real Args against what the
+    """preflight.run_writes (the pre-flight's disk check) from the run's real Args against what the
     run wrote: one checkpoint (checkpoints/step<step>, every rank's files) within 5 % and 0.5 MiB
     (the files of fixed size the estimate leaves to the 16 MiB for logs: zero_to_fp32.py, the
     config, each rank's metadata of each engine), the final model (or LoRA's adapter and merged
     model) within 2 % and 64 KiB (a safetensors header). ZeRO-3, fp32, the run's model/."""
     import torch
 
-    from checks import run_writes
+    from preflight import run_writes
 
     args = loop.parse_args(argv)
     writes = run_writes(args, str(run / "model"), 3, torch.float32, loop.memory_models(args))

@@ -1018,7 +1018,7 @@ def test_the_default_held_out_share_and_a_large_one_said_before_training(env, ca
     """Without --num_eval_prompts: a fifth of 300 rows held out (60, no warning), and on the
     built-in task 200 of its 1000 rows, the same split as the old default's; 200 of 300 given:
     said before training, with the rows held out and the rows left."""
-    import harness
+    import preflight
     from tasks import default_task
 
     rows = [{"prompt": f"{i:03d}=", "answer": max(f"{i:03d}")} for i in range(300)]
@@ -1032,7 +1032,7 @@ def test_the_default_held_out_share_and_a_large_one_said_before_training(env, ca
 
     def split(*argv):
         args = grpo.parse_args([*base, *argv])
-        inputs = harness.preflight(args, 0, 2, grpo.memory_models(args))
+        inputs = preflight.preflight(args, 0, 2, grpo.memory_models(args))
         return inputs.train_rows, inputs.eval_rows
 
     train, held = split("--data", data)
@@ -1154,10 +1154,10 @@ def test_checkpoints_on_disk_at_once_match_a_naive_save_and_prune():
 
 
 def test_a_run_the_disk_cannot_hold_is_refused_before_step_1(env, capsys, tiny_model):
-    """checks.run_writes and check_disk with the loops' real Args: what a run writes is said, and
+    """preflight.run_writes and check_disk with the loops' real Args: what a run writes is said, and
     a filesystem with less free is refused naming what writes less; the estimate at SmolLM2-135M's
     shape is the 1.6 GB of docs/checkpoints.md (ZeRO-3, fp32: 12 bytes per parameter)."""
-    from checks import check_disk, run_writes
+    from preflight import check_disk, run_writes
     from tiny_models import llama_config
 
     smol = dict(

@@ -16,10 +16,11 @@ import fit
 import grpo
 import ppo
 from conftest import ROOT
-from estimate import PRESETS, estimate_memory
+from estimate import estimate_memory
 from exits import RunError
 from fit import HIGH_WATER, LOW_WATER, MIN_TILE, KnobAdapter, Knobs, estimate_kwargs, fit_to_budget
 from memory import GB
+from shapes import PRESETS
 
 QWEN = ["--model", "qwen2.5-1.5b", "--dtype", "bf16", "--max_completion_length", "512"]
 QWEN += ["--prompts_per_rank", "4", "--beta", "0.04"]

@@ -10,13 +10,14 @@ import sys
 
 import torch
 
+import ds_json
 import grpo
-import harness
 from conftest import free_port
-from estimate import PRESETS, estimate_memory, model_shape
+from estimate import estimate_memory
 from exits import entry
 from fit import Knobs, estimate_kwargs
 from memory import MemoryLedger
+from shapes import PRESETS, model_shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = ["--model", "qwen2.5-0.5b", "--dtype", "bf16", "--max_completion_length", "512"]
@@ -109,9 +110,9 @@ def test_a_json_without_bf16_trains_with_fp32_master_weights(tmp_path):
     path = tmp_path / "stage0.json"
     path.write_text(json.dumps(raw))
     args = grpo.parse_args(["--ds_config", str(path), "--dtype", "bf16"])
-    cfg = harness.deepspeed_config(args, Knobs.given(args), 1, 128, torch.bfloat16, 1e-5)
+    cfg = ds_json.deepspeed_config(args, Knobs.given(args), 1, 128, torch.bfloat16, 1e-5)
     assert cfg["bf16"] == {"enabled": True}
-    fp32 = harness.deepspeed_config(args, Knobs.given(args), 1, 128, torch.float32, 1e-5)
+    fp32 = ds_json.deepspeed_config(args, Knobs.given(args), 1, 128, torch.float32, 1e-5)
     assert fp32["bf16"] == {"enabled": False}
 
 

@@ -23,9 +23,10 @@ from transformers import AutoModelForCausalLM
 
 from batching import forward_logps, make_batch, micro_slice
 from conftest import SMALL, run_sh, torchrun
-from estimate import ATTENTION_PATHS, attention_path, estimate_memory, model_shape
+from estimate import ATTENTION_PATHS, attention_path, estimate_memory
 from exits import RunError
 from generation import Generations
+from shapes import model_shape
 from tiled_mlp import tile_mlps
 from tiny_models import build_tiny
 from zero3_load import enable_gradient_checkpointing, load_model

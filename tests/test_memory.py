@@ -11,16 +11,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from estimate import (
-    PRESETS,
-    estimate_memory,
-    knobs_to_fit,
-    largest_sub_group,
-    lora_params,
-    model_shape,
-    param_sizes,
-)
+from estimate import estimate_memory, knobs_to_fit, largest_sub_group, param_sizes
 from memory import GB, MemoryLedger
+from shapes import PRESETS, lora_params, model_shape
 
 MB = 2**20
 # small Llama-style shape: per layer q,k,v 64*3*64 + o 64*64 + MLP 3*64*128 + norms 2*64 = 41088

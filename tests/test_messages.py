@@ -14,7 +14,7 @@ from arguments import _parser
 from batching import encode_prompts
 from conftest import ROOT
 from exits import EXIT_CONFIG, entry
-from harness import default_run_dir
+from preflight import default_run_dir
 
 TOKENIZER = os.path.join(ROOT, "..", "shared", "assets", "qwen2.5-tokenizer")
 

@@ -289,8 +289,9 @@ def test_estimate_memory_flag_counts_critic_and_reward_model(capsys, monkeypatch
     import json
 
     from conftest import ROOT
-    from estimate import PRESETS, estimate_memory, model_shape
+    from estimate import estimate_memory
     from ppo import main
+    from shapes import PRESETS, model_shape
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     rm = tmp_path / "rm"

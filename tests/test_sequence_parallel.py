@@ -17,7 +17,7 @@ from batching import left_aligned, make_batch, micro_slice
 from conftest import SMALL, run_sh, torchrun
 from exits import RunError
 from generation import Generations
-from harness import check_sequence_parallel
+from preflight import check_sequence_parallel
 from tiny_models import build_tiny
 
 

@@ -137,11 +137,11 @@ class Summary:
 
 def build_shape(path, name):
     """A causal LM with random weights at path: "tiny" (tiny_models' Qwen2, hidden 128) or a
-    Qwen2.5 shape of estimate.PRESETS ("0.5b", "1.5b") in bf16 with the char tokenizer (no
+    Qwen2.5 shape of shapes.PRESETS ("0.5b", "1.5b") in bf16 with the char tokenizer (no
     download; the vocabulary is the real 151,936 wide, most of it never sampled). Returns path."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from estimate import PRESETS
+    from shapes import PRESETS
     from tiny_models import build_family, build_qwen_tokenizer
 
     if name == "tiny":
