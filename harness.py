@@ -288,11 +288,12 @@ class Run:
         if not args.run_dir:  # rank 0's start time names it on every rank
             args.run_dir = from_rank0(default_run_dir(args))
         self.say = print if self.rank == 0 else (lambda *a, **k: None)
+        said = os.environ.get("PREFLIGHT_SAID") == "1"  # run.sh's pass printed its lines
         if self.world == 1:  # one process: a refusal leaves nothing behind (run.sh's pre-flight)
             with nothing_left_if_refused(args.run_dir):
-                inputs = preflight(args, self.rank, self.world, models, self.say, check)
+                inputs = preflight(args, self.rank, self.world, models, self.say, check, said=said)
         else:
-            inputs = preflight(args, self.rank, self.world, models, self.say, check)
+            inputs = preflight(args, self.rank, self.world, models, self.say, check, said=said)
         self.__dict__.update(vars(inputs))
         os.makedirs(args.run_dir, exist_ok=True)  # the pre-flight wrote nothing (a built-in model)
         # every rank has read run_dir (check_new_run, check_disk) before rank 0 clears or writes it

@@ -66,7 +66,7 @@ class Inputs:
     knobs: object  # fit.Knobs: the memory knobs in effect
 
 
-def preflight(args, rank, world, models, say=print, check=None, build_dir=None):
+def preflight(args, rank, world, models, say=print, check=None, build_dir=None, said=False):
     """Every input checked before a model loads or a step runs, each failure a RunError saying what
     to change, in one pass: the inputs (run_dir, vLLM, data, models, tokenizer, rewards, whole
     groups in the JSON's batch), then the memory estimate and the fit (--memory_budget_gb,
@@ -75,7 +75,9 @@ def preflight(args, rank, world, models, say=print, check=None, build_dir=None):
     rank, build_dir) -> Inputs' fields up to weights: the loop's own input check, for rows that
     are not prompts; None: the prompts, rewards and models that checks.check_inputs checks.
     build_dir: where the built-in task's model is built (default run_dir; before_torchrun: a
-    scratch directory)."""
+    scratch directory). said: run.sh's one-process pass printed the reward and disk lines
+    already (its ranks do not repeat them)."""
+    once = (lambda *a, **k: None) if said else say
     # before anything is written there
     check_new_run(args.run_dir, args.resume, args.overwrite, evaluate=not args.max_steps)
     check_vllm(args.use_vllm, args.vllm_tensor_parallel_size, world, args.vllm_mode)
@@ -86,7 +88,7 @@ def preflight(args, rank, world, models, say=print, check=None, build_dir=None):
         else check_inputs(args, rank, *beside, build_dir=build_dir)
     )
     if line := reward_line(args, found["funcs"], found["weights"], models.get("reward_model")):
-        say(line)  # among the run's first lines: what it is trained to do
+        once(line)  # among the run's first lines: what it is trained to do
     dtype = training_dtype(args.dtype)
     mini = models.get("mini_batches", 1)  # whole groups on every rank in each optimizer step
     check_global_batch(
@@ -128,7 +130,7 @@ def preflight(args, rank, world, models, say=print, check=None, build_dir=None):
             )
     # what the checkpoints and the final model take, against the free space, before step 1
     writes = run_writes(args, found["config"], stage, dtype, models, saved, existing)
-    check_disk(args, writes, say=say)
+    check_disk(args, writes, say=once)
     return Inputs(**found, dtype=dtype, ds_config=ds, knobs=knobs)
 
 

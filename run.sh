@@ -299,7 +299,9 @@ try:
 except SignalException as e:
     sys.exit(128 + int(e.sigval))'
 # torchrun in a session of its own: a signal reaches it once, from the traps below
-PREFLIGHT_PASSED=$beside PREFLIGHT_PARENT=$$ setsid python -c "$quiet_torchrun" "${launch[@]:3}" &
+# the reward and disk lines: said once, by the pre-flight (PREFLIGHT_SAID: the ranks' pass is quiet)
+said=0; [[ ${PREFLIGHT:-1} != 0 ]] && said=1
+PREFLIGHT_PASSED=$beside PREFLIGHT_PARENT=$$ PREFLIGHT_SAID=$said setsid python -c "$quiet_torchrun" "${launch[@]:3}" &
 pid=$! signal="" signal_at=0
 trap 'signal=TERM signal_at=$(date +%s); kill -TERM $pid 2>/dev/null' TERM
 trap 'signal=INT signal_at=$(date +%s); kill -INT $pid 2>/dev/null' INT

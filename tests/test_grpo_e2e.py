@@ -30,6 +30,8 @@ def test_zero3_hf_outputs_and_checkpoint(tmp_path):
     log = ["--log_completions", "True", "--num_completions_to_print", "2", "--report_to", "wandb"]
     out = run_sh("--max_steps", "3", "--save_steps", "2", *log, env={"RUN_DIR": str(a)})
     assert "held-out reward: start" in out
+    # the reward and disk lines once: from run.sh's pre-flight, not again from rank 0
+    assert out.count("\nreward: ") == 1 and out.count("\ndisk: the run writes") == 1, out
     full = train_rows(a)
     assert [r["step"] for r in full] == [1, 2, 3]
     for name in (
