@@ -11,7 +11,10 @@ once on 1 rank, every metric compared (seconds and memory left out); fp32 noise 
 rest completion) through a narrow, deep tiny Llama with gradient checkpointing, its log-probs and
 entropies scored (batching.forward_logps) and backpropagated, on 1 rank (S = 1) and on 2 ranks
 (S = 2); the peak resident memory of that phase above what was resident before it (memory.py's
-ledger), per rank; then the longest L whose update stays within S = 1's increment at the largest
+ledger), per rank, with MALLOC_MMAP_THRESHOLD_=65536 so freed tensors leave the resident set (as
+the other benches; glibc's default keeps freed blocks for reuse, so its peak measures the
+allocator's high water rather than the tensors alive at once: --glibc_default measures that);
+then the longest L (to 1,024 tokens) whose update stays within S = 1's increment at the largest
 length. Ratios side by side in one run; results in bench/out/sequence_parallel.json.
 """
 
@@ -26,6 +29,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SKIP = ("_s", "mem", "tokens_per", "elapsed", "time/")
+STEP = 1024  # the longest length's resolution, in tokens
 
 
 def worst_difference(a, b):
@@ -122,7 +126,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_one(S, L, layers, tmp):
+def run_one(S, L, layers, tmp, glibc_default=False):
     cmd = [
         sys.executable,
         "-m",
@@ -139,6 +143,8 @@ def run_one(S, L, layers, tmp):
         tmp,
     ]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    if not glibc_default:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # each tensor over 64 KiB: its own mapping
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])
@@ -146,22 +152,33 @@ def run_one(S, L, layers, tmp):
     return json.loads(line)["increment_gb"]
 
 
-def memory(lengths, layers):
-    result = {"layers": layers, "rows": []}
+def memory(lengths, layers, glibc_default=False):
+    result = {"layers": layers, "glibc_default": glibc_default, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         for L in lengths:
-            one, two = run_one(1, L, layers, tmp), run_one(2, L, layers, tmp)
+            one = run_one(1, L, layers, tmp, glibc_default)
+            two = run_one(2, L, layers, tmp, glibc_default)
             result["rows"].append({"L": L, "S1_gb": one, "S2_gb": two, "ratio": two / one})
             print(
                 f"L {L}: update peak per rank S=1 {one:.3f} GB, S=2 {two:.3f} GB ({two / one:.2f}x)"
             )
         budget, L = result["rows"][-1]["S1_gb"], lengths[-1]
-        longest = L
-        while True:  # the longest S = 2 length within S = 1's increment at the largest length
-            nxt = int(longest * 1.25) // 64 * 64
-            if run_one(2, nxt, layers, tmp) > budget:
-                break
-            longest = nxt
+        # the longest S = 2 length within S = 1's increment at the largest length, to STEP tokens:
+        # from the linear guess (the increment grows about linearly), then STEP at a time
+        fits = {}
+
+        def fit(n):
+            if n not in fits:
+                fits[n] = run_one(2, n, layers, tmp, glibc_default) <= budget
+                print(f"  S=2 at {n} tokens: {'within' if fits[n] else 'over'} {budget:.3f} GB")
+            return fits[n]
+
+        n = max(L, int(L * budget / result["rows"][-1]["S2_gb"]) // STEP * STEP)
+        while fit(n) and fit(n + STEP):
+            n += STEP
+        while not fit(n) and n - STEP >= L:
+            n -= STEP
+        longest = n if fit(n) else L
         result.update(budget_gb=budget, longest_S1=L, longest_S2=longest, longer=longest / L)
         print(f"within {budget:.3f} GB: S=1 {L} tokens, S=2 {longest} tokens ({longest / L:.2f}x)")
     return result
@@ -174,6 +191,7 @@ def main():
     p.add_argument("--length", type=int, default=0)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tmp", default="")
+    p.add_argument("--glibc_default", action="store_true", help="glibc's own mmap threshold")
     a = p.parse_args()
     if a.what == "worker":
         return worker(a)
@@ -185,7 +203,8 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             results["exactness"] = exactness(tmp)
     else:
-        results["memory"] = memory([int(x) for x in a.lengths.split(",")], a.layers)
+        key = "memory_glibc_default" if a.glibc_default else "memory"
+        results[key] = memory([int(x) for x in a.lengths.split(",")], a.layers, a.glibc_default)
     json.dump(results, open(path, "w"), indent=1)
 
 
