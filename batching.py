@@ -324,7 +324,8 @@ def forward_logps(
     sets the sampler returned (Generations.sampling_kept): replayed as they are, no cut found."""
     kw = dict(temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size)
     if sequence_parallel.layout() is not None:  # this rank scores its 1/S of the row
-        return _sliced_logps(model, mb, packing, device, kw)
+        cut = dict(top_k=top_k, top_p=top_p, top_k_rule=top_k_rule) if top_k or top_p < 1 else {}
+        return _sliced_logps(model, mb, packing, device, kw, cut)
     found = mb.get("sampling_thresholds")  # (b, c, 2) or None: (tau, n) per token
     replay = mb.get("sampling_kept")  # (b, c, k) or None: the sampler's own kept ids
     if replay is not None:
@@ -376,22 +377,48 @@ def left_aligned(mb):
     return ids, torch.arange(L).expand(len(rows), L), torch.cat(where)
 
 
-def _sliced_logps(model, mb, packing, device, kw):
+def _sliced_logps(model, mb, packing, device, kw, cut):
     """forward_logps under sequence parallelism (sequence_parallel.py): the micro-batch left-
     aligned (or packed into one row, for an attention that reads packed sequences from position
     ids), each rank of the group scoring its slice of every row with the tokens its positions
-    predict, gathered: (b, c)."""
+    predict, gathered: (b, c). cut: forward_logps' top_k, top_p and top_k_rule when the sampler
+    cut (a position's cut reads only its own logits, so each slice finds or replays its own):
+    the sampler's kept sets or the thresholds found earlier travel with the positions."""
     ids, pos, where = pack(mb) if packing else left_aligned(mb)  # (b', L) twice, (M,)
-
-    def score(ids, pos, targets):  # (1, n) each: this rank's slice
-        ids, pos, targets = ids.to(device), pos.to(device), targets.to(device)
-        n = ids.shape[1]
-        return model_logps(model, ids, None, n, position_ids=pos, targets=targets, **kw)
-
-    out = sequence_parallel.row_forward(score, ids, pos)  # (b', L) each: token j + 1 at j
     cm, where = mb["completion_mask"], where.to(device)
-    out = [unpack(x.flatten()[where], cm) for x in _listed(out)]  # (b, c) each
+    replay, found, side, fill = mb.get("sampling_kept"), mb.get("sampling_thresholds"), None, 0
+    if replay is not None:  # (b, c, k): the sampler's own kept ids, -1 padded
+        side, fill, name = _at_positions(replay, ids, where, cm, -1), -1, "kept_ids"
+    elif cut:
+        kw = dict(kw, **cut, return_thresholds=True)
+        if found is not None:  # (b, c, 2): a position outside the completions has no cut (-inf)
+            side, fill, name = (
+                _at_positions(found, ids, where, cm, float("-inf")),
+                float("-inf"),
+                "thresholds",
+            )
+
+    def score(ids, pos, targets, side=None):  # (1, n) each: this rank's slice; side (1, n, ...)
+        ids, pos, targets = ids.to(device), pos.to(device), targets.to(device)
+        given = {} if side is None else {name: side.to(device)}
+        n = ids.shape[1]
+        return model_logps(model, ids, None, n, position_ids=pos, targets=targets, **kw, **given)
+
+    out = sequence_parallel.row_forward(score, ids, pos, side=side, side_fill=fill)  # (b', L)
+    out = _listed(out)  # each (b', L, ...): token j + 1 at j
+    if kw.get("return_thresholds"):
+        tau = out.pop().detach().flatten(0, 1)[where]  # (M, 2)
+        mb["sampling_thresholds"] = torch.stack([unpack(t, cm) for t in tau.unbind(1)], -1).cpu()
+    out = [unpack(x.flatten()[where], cm) for x in out]  # (b, c) each
     return tuple(out) if kw["return_entropy"] else out[0]
+
+
+def _at_positions(per_token, ids, where, completion_mask, fill):
+    """(b, c, ...) per completion token -> (b', L, ...) at the positions that predict them (pack's
+    or left_aligned's `where`), `fill` at every other position."""
+    flat = per_token.new_full((ids.numel(), *per_token.shape[2:]), fill)  # (b' L, ...)
+    flat[where.cpu()] = per_token[completion_mask.bool()]  # row-major, as `where`
+    return flat.view(*ids.shape, *per_token.shape[2:])
 
 
 def _listed(out):

@@ -166,11 +166,6 @@ def check_sequence_parallel(args, world, config, model_path, S=None):
             "would let packed sequences attend to each other: --packing False (one sequence "
             "per micro-batch) or --attn_implementation flash_attention_2"
         )
-    if args.top_p < 1 or args.top_k > 0:
-        raise RunError(
-            f"--sequence_parallel_size {S} scores under the full distribution: --top_p 1 and "
-            "--top_k 0 (its sampler's cut is not sliced yet), or --sequence_parallel_size 1"
-        )
     if args.use_vllm and args.vllm_tensor_parallel_size > 1:
         raise RunError(
             f"--sequence_parallel_size {S} with --vllm_tensor_parallel_size "

@@ -160,7 +160,7 @@ def paused():
         _ACTIVE = True
 
 
-def row_forward(fn, ids, pos, pad_id=0):
+def row_forward(fn, ids, pos, pad_id=0, side=None, side_fill=0):
     """fn's per-position outputs over whole rows, each rank computing its slice of every row.
 
     ids, pos: (b, L) rows and their position ids (each row one sequence from column 0 with padding
@@ -168,7 +168,8 @@ def row_forward(fn, ids, pos, pad_id=0):
     targets) -> a tensor or a tuple of tensors (b, n, ...) for this rank's slice: ids and pos
     (b, n), targets (b, n) the token each position predicts (pad_id past the row's end). Returns
     the same tensors gathered over the group, cut to the rows: (b, L, ...), position j's output
-    at j. Every rank of the group calls it with the same rows."""
+    at j. side: a per-position input (b, L, ...), sliced as ids (side_fill past the row's end)
+    and passed as fn's fourth argument. Every rank of the group calls it with the same rows."""
     S, r = _LAYOUT.size, _LAYOUT.rank
     b, L = ids.shape
     n = -(-L // S)  # ceil: the slice length
@@ -178,7 +179,12 @@ def row_forward(fn, ids, pos, pad_id=0):
     pos_p = torch.cat([pos, tail], 1)  # (b, L')
     targets = torch.cat([ids_p[:, 1:], ids.new_full((b, 1), pad_id)], 1)  # (b, L') next token
     mine = slice(r * n, (r + 1) * n)
-    out = fn(ids_p[:, mine], pos_p[:, mine], targets[:, mine])
+    if side is None:
+        out = fn(ids_p[:, mine], pos_p[:, mine], targets[:, mine])
+    else:
+        fill = side.new_full((b, extra, *side.shape[2:]), side_fill)
+        side = torch.cat([side, fill], 1)[:, mine]  # (b, n, ...)
+        out = fn(ids_p[:, mine], pos_p[:, mine], targets[:, mine], side)
     single = not isinstance(out, tuple)
     out = [_Gather.apply(x)[:, :L] for x in ([out] if single else out)]  # (b, L, ...) each
     return out[0] if single else tuple(out)

@@ -46,28 +46,31 @@ def worst_difference(a, b):
 
 
 def exactness(out_dir):
-    flags = {
-        "grpo": "--max_steps 3 --prompts_per_rank 4 --num_generations 4 --beta 0.04 "
-        "--num_iterations 2",
-        "ppo": "--max_steps 2 --prompts_per_rank 4",
-        "rm": "--max_steps 3",
+    grpo = "--max_steps 3 --prompts_per_rank 4 --num_generations 4 --beta 0.04 --num_iterations 2"
+    ppo, cut = "--max_steps 2 --prompts_per_rank 4", " --top_k 5 --top_p 0.9"
+    runs = {  # name: (loop, flags)
+        "grpo": ("grpo", grpo),
+        "grpo_cut": ("grpo", grpo + cut),  # the sampler's cut, sliced with the positions
+        "ppo": ("ppo", ppo),
+        "ppo_cut": ("ppo", ppo + cut),
+        "rm": ("rm", "--max_steps 3"),
     }
     result = {}
-    for loop, f in flags.items():
+    for run, (loop, f) in runs.items():
         dirs = {}
         for name, extra, nproc in (
             ("one_rank", "", "1"),
             ("sp2", "--sequence_parallel_size 2", "2"),
         ):
-            d = dirs[name] = os.path.join(out_dir, f"{loop}-{name}")
+            d = dirs[name] = os.path.join(out_dir, f"{run}-{name}")
             cmd = (
                 f"bash run.sh {loop} {f} --eval_steps 0 --num_eval_prompts 0 {extra} --run_dir {d}"
             )
             env = {**os.environ, "NPROC": nproc}
             subprocess.run(cmd.split(), cwd=ROOT, env=env, check=True, capture_output=True)
         a, b = (os.path.join(dirs[n], "metrics.jsonl") for n in ("one_rank", "sp2"))
-        result[loop] = worst_difference(a, b)
-        print(f"{loop}: S = 2 on 2 ranks vs 1 rank, worst relative difference {result[loop]:.1e}")
+        result[run] = worst_difference(a, b)
+        print(f"{run}: S = 2 on 2 ranks vs 1 rank, worst relative difference {result[run]:.1e}")
     return result
 
 

@@ -8,6 +8,8 @@ micro-batches of 3 of 6 rows, left-padded prompts of different lengths), PPO's v
 critic.forward_values, and rm.py's Bradley-Terry loss through reward_model.sequence_scores. Then
 with S = 2 (the two ranks one group, each scoring its half of every row) the same losses must come
 out equal, and the parameter gradients summed over the two ranks must equal the whole rows'.
+The same for the log-probs of a micro-batch under a top-k / top-p cut (found, reused, and replayed
+from kept sets), each rank's slice finding or replaying its own positions' cut.
 Also: several sequences packed in one row under sdpa are NOT scored exactly (attention ignores
 the position ids' boundaries), which is why the pre-flight refuses --packing with sdpa.
 Prints "OK" on rank 0.
@@ -84,6 +86,39 @@ def losses(policy, critic, reward, b):
     return out, {k: grads(m) for k, m in zip(out, (policy, critic, reward))}
 
 
+def cut_logps(policy, b):
+    """Log-probs (and gradients) of one micro-batch of 3 rows under a top-k / top-p cut: found
+    from the logits (the sampler's PyTorch rule), reused from mb["sampling_thresholds"], and
+    replayed from kept sets built by hand (each token's set: the target and 3 others, -1 padded
+    to 6, as vLLM's return_sampling_mask hands them)."""
+    args = grpo.parse_args(["--per_device_train_batch_size", "3"])
+    plan = grpo.micro_plan(b, args, Knobs.given(args))
+    _, mb, _ = next(iter(micro_batches(b, plan)))
+    mb = dict(mb)
+    cut = dict(top_k=5, top_p=0.9, top_k_rule="pytorch")
+    out = {}
+    policy.zero_grad()
+    found = forward_logps(policy, mb, 1.0, False, "cpu", **cut)  # (b, c): the cut found now
+    cm = mb["completion_mask"]  # padding's log-probs: 0 when sliced, the pad token's otherwise
+    (found * cm).sum().backward()
+    out["cut found"] = (found.detach(), grads(policy), mb["sampling_thresholds"])
+    policy.zero_grad()
+    again = forward_logps(policy, mb, 1.0, False, "cpu", **cut)  # the thresholds of mb reused
+    (again * cm).sum().backward()
+    out["cut reused"] = (again.detach(), grads(policy), mb["sampling_thresholds"])
+    g = torch.Generator().manual_seed(3)
+    c = mb["completion_mask"].shape[1]
+    others = torch.randint(0, policy.config.vocab_size, (3, c, 3), generator=g)
+    kept = torch.cat([mb["input_ids"][:, -c:, None], others, torch.full((3, c, 2), -1)], -1)
+    replay = {**mb, "sampling_kept": kept}  # (b, c, 6)
+    replay.pop("sampling_thresholds")
+    policy.zero_grad()
+    sets = forward_logps(policy, replay, 1.0, False, "cpu", **cut)
+    (sets * cm).sum().backward()
+    out["kept sets"] = (sets.detach(), grads(policy), None)
+    return out, mb["completion_mask"].bool()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--policy", required=True)
@@ -104,6 +139,7 @@ def main():
     alone = [dist.new_group([r]) for r in range(world)][rank]  # the whole rows, this rank alone
     set_data_group(alone)
     ref, ref_grads = losses(policy, critic, reward, b)
+    ref_cut, cm = cut_logps(policy, b)  # cm: the cut micro-batch's completion tokens
 
     sp = sequence_parallel.init(world)
     sequence_parallel.install("sdpa")
@@ -117,6 +153,20 @@ def main():
         if rank == 0:
             print(f"{name}: loss {ref[name]:.6f} rel err {err:.1e}, gradient rel err {gerr:.1e}")
         assert err < 1e-5 and gerr < 1e-5, (name, err, gerr)
+    for name, (logps, g, tau) in cut_logps(policy, b)[0].items():
+        r_logps, r_g, r_tau = ref_cut[name]
+        dist.all_reduce(g)
+        err = (logps - r_logps)[cm].abs().max().item()
+        gerr = ((g - r_g).abs().max() / r_g.abs().max()).item()
+        # the same cut: the count at tau exactly, tau itself to fp32 noise (the logits' own)
+        same_cut = tau is None or (
+            torch.equal(tau[cm][:, 1], r_tau[cm][:, 1])
+            and torch.allclose(tau[cm][:, 0], r_tau[cm][:, 0], rtol=1e-5, atol=1e-5)
+        )
+        if rank == 0:
+            print(f"{name}: log-prob max abs err {err:.1e}, gradient rel err {gerr:.1e}")
+        assert err < 1e-5 and gerr < 1e-5 and same_cut, (name, err, gerr, same_cut)
+        assert logps[cm].isfinite().all() and (logps[cm] <= 0).all(), name
 
     # packed sequences under sdpa: the attention sees across their boundary
     ids = torch.randint(3, policy.config.vocab_size, (1, 30))

@@ -54,8 +54,6 @@ def model(tmp_path_factory):
         (["--sequence_parallel_size", "3"], 3, "4 attention heads do not divide by 3"),
         (["--sequence_parallel_size", "2", "--attn_implementation", "eager"], 2, "eager"),
         (["--sequence_parallel_size", "2", "--packing", "True"], 2, "--packing False"),
-        (["--sequence_parallel_size", "2", "--top_p", "0.9"], 2, "--top_p 1"),
-        (["--sequence_parallel_size", "2", "--top_k", "5"], 2, "--top_k 0"),
         (
             ["--sequence_parallel_size", "2", "--max_staleness", "1", *SERVER],
             2,
@@ -68,6 +66,8 @@ def test_preflight_refuses_what_cannot_work(model, flags, world, says):
     with pytest.raises(RunError, match=says):
         check_sequence_parallel(grpo.parse_args(flags), world, config, model)
     check_sequence_parallel(grpo.parse_args(["--sequence_parallel_size", "2"]), 2, config, model)
+    cut = ["--sequence_parallel_size", "2", "--top_p", "0.9", "--top_k", "5"]  # sliced per position
+    check_sequence_parallel(grpo.parse_args(cut), 2, config, model)
 
 
 def test_kv_heads_that_do_not_divide_are_refused(tmp_path):
@@ -82,7 +82,8 @@ def test_kv_heads_that_do_not_divide_are_refused(tmp_path):
 
 def test_losses_and_gradients_equal_whole_rows_on_two_ranks(tmp_path):
     """GRPO's loss with the whole-batch normaliser, PPO's value loss and the Bradley-Terry loss:
-    S = 2 against each rank alone, gradients summed over the group (dist_sequence_parallel.py)."""
+    S = 2 against each rank alone, gradients summed over the group; log-probs under a top-k /
+    top-p cut found, reused and replayed from kept sets (dist_sequence_parallel.py)."""
     kw = dict(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
     policy = build_tiny(str(tmp_path / "policy"), **kw)
     reward = build_tiny(str(tmp_path / "reward"), reward_model=True, **kw)
@@ -90,6 +91,8 @@ def test_losses_and_gradients_equal_whole_rows_on_two_ranks(tmp_path):
     assert "OK (S = 2)" in out.stdout, out.stdout[-3000:]
     for name in ("grpo", "value", "bt"):
         assert f"{name}: loss" in out.stdout
+    for name in ("cut found", "cut reused", "kept sets"):  # top-k 5 and top-p 0.9, or replayed
+        assert f"{name}: log-prob max abs err" in out.stdout
 
 
 def test_grpo_end_to_end_with_sequence_parallel_size_2(tmp_path):
