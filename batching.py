@@ -386,17 +386,16 @@ def _sliced_logps(model, mb, packing, device, kw, cut):
     the sampler's kept sets or the thresholds found earlier travel with the positions."""
     ids, pos, where = pack(mb) if packing else left_aligned(mb)  # (b', L) twice, (M,)
     cm, where = mb["completion_mask"], where.to(device)
-    replay, found, side, fill = mb.get("sampling_kept"), mb.get("sampling_thresholds"), None, 0
+    replay, found = mb.get("sampling_kept"), mb.get("sampling_thresholds")
+    side, fill, name = None, 0, None  # a per-position input of the forward: its fill and keyword
     if replay is not None:  # (b, c, k): the sampler's own kept ids, -1 padded
-        side, fill, name = _at_positions(replay, ids, where, cm, -1), -1, "kept_ids"
+        fill, name = -1, "kept_ids"
+        side = _at_positions(replay, ids, where, cm, fill)  # (b', L, k)
     elif cut:
         kw = dict(kw, **cut, return_thresholds=True)
         if found is not None:  # (b, c, 2): a position outside the completions has no cut (-inf)
-            side, fill, name = (
-                _at_positions(found, ids, where, cm, float("-inf")),
-                float("-inf"),
-                "thresholds",
-            )
+            fill, name = float("-inf"), "thresholds"
+            side = _at_positions(found, ids, where, cm, fill)  # (b', L, 2)
 
     def score(ids, pos, targets, side=None):  # (1, n) each: this rank's slice; side (1, n, ...)
         ids, pos, targets = ids.to(device), pos.to(device), targets.to(device)
