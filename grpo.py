@@ -35,7 +35,6 @@ import async_rollouts
 import distill
 import envs
 import harness
-import preflight
 import recipes
 import vllm_is
 from arguments import arg
@@ -501,7 +500,7 @@ def main(argv=None):
     args = parse_args(argv)
     env = envs.load_env(args.env) if args.env else None  # a factory of environments
     if args.estimate_memory or args.preflight:  # one process, before any rank begins
-        return preflight.before_torchrun(args, memory_models(args))
+        return harness.before_torchrun(args, memory_models(args))
     run = harness.Run(args, memory_models(args))  # process group, every input checked
     policy = run.load()
     if args.lora_r:  # only the adapters train; the reference is the policy with them off

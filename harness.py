@@ -58,7 +58,13 @@ from generation import (
 from guard import StepGuard
 from logprobs import DEFAULT_CHUNK_SIZE
 from memory import MemoryLedger
-from preflight import checkpoint_config, default_run_dir, nothing_left_if_refused, preflight
+from preflight import (  # before_torchrun: the loops' --preflight / --estimate_memory, through here
+    before_torchrun,  # noqa: F401
+    checkpoint_config,
+    default_run_dir,
+    nothing_left_if_refused,
+    preflight,
+)
 from recipes import apply_recipe
 from runlog import RunLog
 from tasks import pass_at_k, score_completions, solved_mask

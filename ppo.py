@@ -40,7 +40,6 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 import harness
-import preflight
 import recipes
 from arguments import arg
 from batching import (
@@ -442,7 +441,7 @@ def train_micro_batch(actor, critic, mb, scale, boundary, normalizer, args, knob
 def main(argv=None):
     args = parse_args(argv)
     if args.estimate_memory or args.preflight:  # one process, before any rank begins
-        return preflight.before_torchrun(args, memory_models(args))
+        return harness.before_torchrun(args, memory_models(args))
     run = harness.Run(args, memory_models(args))  # process group, every input checked
     actor = run.load()
     rm_path = args.reward_model

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
 import harness
-import preflight
 import recipes
 from arguments import arg
 from batching import all_sum, micro_batches, plan_micro_batches
@@ -211,7 +210,7 @@ def step_row(step, totals, engine):
 def main(argv=None):
     args = parse_args(argv)
     if args.estimate_memory or args.preflight:  # one process, before any rank begins
-        return preflight.before_torchrun(args, memory_models(args), check_pairs)
+        return harness.before_torchrun(args, memory_models(args), check_pairs)
     run = harness.Run(args, memory_models(args), check_pairs)  # every input checked: pairs.py
     model = run.load(cls=AutoModelForSequenceClassification, num_labels=1)
     engine = run.train_engine(model, args.learning_rate)

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import harness
-import preflight
 from batching import loss_inputs
 from conftest import torchrun
 from fit import Knobs
@@ -502,7 +501,7 @@ def test_bad_input_fails_with_a_message_that_says_what_to_change(tmp_path):
         (["--reward_funcs", "nosuchmodule:f"], "module:function"),
     ):
         with pytest.raises(RunError, match=msg):
-            preflight.before_torchrun(parse_args(argv + ["--run_dir", str(tmp_path)]), {})
+            harness.before_torchrun(parse_args(argv + ["--run_dir", str(tmp_path)]), {})
     # the task, rewards, JSONL data and data order: tests/test_tasks.py; bad input end to end:
     # test_checks.py
 
